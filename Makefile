@@ -1,0 +1,39 @@
+# The README's two commands: `make demo` (set up + paired smoke run + report) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.txt pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: demo test setup bench bench-kernels lint clean
+
+setup: $(STAMP)
+
+# torch first, by exact version: pip takes the CPU build on this machine's disk (plain `torch`
+# would pull a multi-GB CUDA build). Then the pinned lock, then the project itself (no deps).
+$(STAMP): pyproject.toml requirements/cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements/cpu.txt
+	$(PY) -m pip install -q --no-deps -e .
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: $(STAMP)
+	$(PY) experiments/stress_8k.py --preset smoke
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+# GPU only (a CUDA torch in the active environment): the model step and kernel benchmarks.
+bench:
+	$(PYTHON) experiments/bench_model.py
+
+bench-kernels:
+	$(PYTHON) kernels/bench_attention.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,101 @@
+"""Per-arm numbers for the report and the sweep: initial/final loss, growth factors, status.
+
+growth = max(v) / median(first ``n_early`` finite points)
+final loss = mean of the last ``n_final`` logged points (non-finite if the run ended broken)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+from stabilitylab.analysis.early_warning import (
+    divergence_of,
+    early_warning,
+    first_warning,
+    max_logit_series,
+)
+from stabilitylab.analysis.events import series
+
+from stabilitylab import tags
+
+N_INITIAL = 5
+N_FINAL = 5
+N_EARLY = 10
+
+SUMMARY_COLUMNS = [
+    "run", "arm", "status", "divergence_step", "divergence_reason", "detected_step",
+    "first_warning", "lead_steps", "max_grad_norm", "grad_norm_growth", "max_logit",
+    "max_logit_growth", "initial_loss", "final_loss", "last_step",
+]  # fmt: skip
+
+
+def initial_mean(values_N: np.ndarray, n: int = N_INITIAL) -> float:
+    """Mean of the first ``n`` finite points (NaN if none)."""
+    finite = values_N[np.isfinite(values_N)]
+    return float(finite[:n].mean()) if finite.size else math.nan
+
+
+def final_mean(values_N: np.ndarray, n: int = N_FINAL) -> float:
+    """Mean of the last ``n`` logged points; NaN/inf stay, a broken end is not hidden."""
+    return float(values_N[-n:].mean()) if values_N.size else math.nan
+
+
+def growth(values_N: np.ndarray, n_early: int = N_EARLY) -> tuple[float, float]:
+    """``(max, max / early median)`` over finite points; NaNs when there are none."""
+    finite = values_N[np.isfinite(values_N)]
+    if finite.size == 0:
+        return math.nan, math.nan
+    early = float(np.median(finite[:n_early]))
+    peak = float(finite.max())
+    return peak, (peak / early if early > 0 else math.nan)
+
+
+def arm_row(df_arm: pd.DataFrame, summary: dict | None) -> tuple[dict, pd.DataFrame]:
+    """The report's row for one arm, and its early-warning table.
+
+    Status and divergence step come from summary.json when the run finished writing one;
+    ``detected_step`` is always recomputed from the event data with ``detectors.diverged``, so
+    the two can be compared. Without summary.json the status is ``diverged`` if the rule fires,
+    else ``unfinished``.
+    """
+    run, arm = df_arm["run"].iloc[0], df_arm["arm"].iloc[0]
+    found = divergence_of(df_arm)
+    detected = found.step if found is not None else None
+    if summary is not None:
+        status = summary.get("status", "unknown")
+        div_step = summary.get("divergence_step")
+        reason = summary.get("divergence_reason")
+    else:
+        status = "diverged" if found is not None else "unfinished"
+        div_step = detected
+        reason = f"{found.detector}: {found.detail}" if found is not None else None
+    warnings_table = early_warning(df_arm, divergence_step=div_step)
+    warn_name, lead = first_warning(warnings_table)
+
+    loss_steps, loss = series(df_arm, tags.LOSS)
+    _, gn = series(df_arm, tags.GRAD_NORM)
+    _, logit, _ = max_logit_series(df_arm)
+    max_gn, gn_growth = growth(gn) if gn.size else (None, None)
+    max_logit, logit_growth = growth(logit) if logit.size else (None, None)
+    row = {
+        "run": run,
+        "arm": arm,
+        "status": status,
+        "divergence_step": div_step,
+        "divergence_reason": reason,
+        "detected_step": detected,
+        "first_warning": warn_name,
+        "lead_steps": lead,
+        "max_grad_norm": max_gn,
+        "grad_norm_growth": gn_growth,
+        "max_logit": max_logit,
+        "max_logit_growth": logit_growth,
+        "initial_loss": initial_mean(loss) if loss.size else None,
+        "final_loss": final_mean(loss) if loss.size else None,
+        "last_step": int(df_arm["step"].max()),
+    }
+    warnings_table.insert(0, "run", run)
+    warnings_table.insert(1, "arm", arm)
+    return row, warnings_table

@@ -1,0 +1,270 @@
+"""Attention benchmark on one GPU: Triton sigmoid attention vs SDPA cuDNN / flash, FlexAttention, eager.
+
+    PYTHONPATH=. python3 kernels/bench_attention.py --quick --out results/bench   # a few minutes on an H200
+    PYTHONPATH=. python3 kernels/bench_attention.py --out results/bench           # full grid
+    PYTHONPATH=. python3 kernels/bench_attention.py --model-step --out results/bench
+
+Grid: bf16, head dim 64/128, T = 1K..16K, 16,384 tokens per batch (B = 16384 / T), hidden 2048
+(H = 2048 / D), padding 0/25/50% (every sequence has L = (1 - p) T valid tokens). TFLOPS count
+valid tokens only: forward 4 H D sum(L^2), backward 2.5x forward; time = do_bench median (ms).
+Softmax baselines get a key-padding mask where they support one (cuDNN: boolean mask; flash: none,
+so padded rows are skipped; FlexAttention: a block mask that skips padded blocks). Expected on an
+H200 (shared/notes/kernel-levers.md): cuDNN ~445 fwd TFLOPS at hd64, ~600 at hd128.
+
+``--model-step``: the stress_8k Encoder (12 x 768, hd 64) at T=8192, bf16 autocast, forward +
+masked-LM loss + backward, ``softmax`` vs ``sigmoid-triton`` backends, micro-batch 1 and 2.
+Writes ``attention.csv`` / ``attention.md`` (and ``model_step.*``) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+from collections.abc import Callable
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from stabilitylab.kernels import sigmoid_attention
+from stabilitylab.kernels.reference import key_mask_BT, sigmoid_attention_reference
+from stabilitylab.kernels.sigmoid_attention import EXACT, TANH_F32, _fwd_op
+
+TOKENS, HIDDEN = 16_384, 2048
+PROVIDERS = ["sigmoid-triton", "sigmoid-triton-exact", "cudnn", "flash", "flex", "eager-sigmoid"]
+
+
+def flops_fwd(H: int, D: int, lengths: list[int]) -> float:
+    return 4.0 * H * D * sum(L * L for L in lengths)
+
+
+def make_inputs(T: int, D: int, pad: float, device="cuda"):
+    B, H = TOKENS // T, HIDDEN // D
+    L = int(round(T * (1 - pad)))
+    lengths_B = torch.full((B,), L, dtype=torch.int32, device=device)
+    q, k, v = (
+        torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16).requires_grad_()
+        for _ in range(3)
+    )
+    return q, k, v, lengths_B
+
+
+def provider_fn(name: str, q, k, v, lengths_B) -> Callable[[], torch.Tensor] | None:
+    """A zero-argument forward for ``name`` on these inputs, or None when it does not apply."""
+    B, H, T, D = q.shape
+    padded = bool((lengths_B < T).any())
+    valid_BT = key_mask_BT(lengths_B, T)
+    if name == "sigmoid-triton":
+        return lambda: sigmoid_attention(q, k, v, lengths_B)[0]
+    if name == "sigmoid-triton-exact":
+        return lambda: sigmoid_attention(q, k, v, lengths_B, exact=True)[0]
+    if name == "cudnn":
+        mask = valid_BT[:, None, None, :] if padded else None
+
+        def run():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+        return run
+    if name == "flash":
+        if padded:
+            return None  # flash takes no mask; varlen is not exposed through SDPA
+
+        def run():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v)
+
+        return run
+    if name == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+        L_B = lengths_B
+
+        def valid(b, h, q_idx, kv_idx):
+            return (q_idx < L_B[b]) & (kv_idx < L_B[b])
+
+        block_mask = create_block_mask(valid, B, None, T, T, device=q.device)
+        return lambda: flex(q, k, v, block_mask=block_mask)
+    if name == "eager-sigmoid":
+        if B * H * T * T > 2**32:
+            return None  # the n x n scores and their grads would not fit comfortably
+        return lambda: sigmoid_attention_reference(q, k, v, lengths_B)
+    raise ValueError(f"unknown provider {name!r}; choose from {PROVIDERS}")
+
+
+def time_provider(name, q, k, v, lengths_B, bwd: bool) -> tuple[float, float]:
+    fwd = provider_fn(name, q, k, v, lengths_B)
+    if fwd is None:
+        return float("nan"), float("nan")
+    out = fwd()  # compile / autotune outside the timed region
+    ms_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+    ms_b = float("nan")
+    if bwd:
+        g = torch.randn_like(out)
+        grad = lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+        grad()
+        ms_b = triton.testing.do_bench(grad, warmup=25, rep=100, return_mode="median")
+    return ms_f, ms_b
+
+
+def accuracy_check() -> list[dict]:
+    """Max abs error vs float64 of each sigmoid mode and of eager bf16, on one small shape."""
+    torch.manual_seed(0)
+    B, H, T, D = 2, 4, 1024, 128
+    q, k, v = (torch.randn(B, H, T, D, device="cuda") for _ in range(3))
+    lengths_B = torch.tensor([1024, 700], device="cuda")
+    ref = sigmoid_attention_reference(q.double(), k.double(), v.double(), lengths_B)
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    rows = [
+        {
+            "mode": "eager bf16",
+            "max_abs_err": (sigmoid_attention_reference(qb, kb, vb, lengths_B).double() - ref)
+            .abs()
+            .max()
+            .item(),
+        }
+    ]
+    for name, mode in (("exact", EXACT), ("tanh.f32", TANH_F32)):
+        out = _fwd_op(qb, kb, vb, lengths_B, 1 / math.sqrt(D), 0.0, True, mode, False)[0]
+        rows.append({"mode": name, "max_abs_err": (out.double() - ref).abs().max().item()})
+    return rows
+
+
+def bench_attention(args) -> pd.DataFrame:
+    """Providers outermost, one CSV row appended per measurement: a cut-off run keeps its rows."""
+    rows, csv = [], os.path.join(args.out, "attention.csv")
+    if os.path.exists(csv):
+        os.remove(csv)
+    for name in args.providers:
+        for D in args.head_dims:
+            for T in args.seq_lens:
+                for pad in args.paddings:
+                    q, k, v, lengths_B = make_inputs(T, D, pad)
+                    B, H = q.shape[:2]
+                    fl = flops_fwd(H, D, lengths_B.tolist())
+                    try:
+                        ms_f, ms_b = time_provider(name, q, k, v, lengths_B, bwd=True)
+                    except (
+                        Exception
+                    ) as e:  # a baseline that cannot run a shape is a row, not a crash
+                        print(f"  {name} D={D} T={T} pad={pad}: {type(e).__name__}: {str(e)[:160]}")
+                        ms_f = ms_b = float("nan")
+                    row = {
+                        "provider": name, "D": D, "T": T, "B": B, "H": H, "pad": pad,
+                        "fwd_ms": ms_f, "bwd_ms": ms_b,
+                        "fwd_tflops": fl / ms_f * 1e-9, "bwd_tflops": 2.5 * fl / ms_b * 1e-9,
+                    }  # fmt: skip
+                    rows.append(row)
+                    pd.DataFrame([row]).to_csv(csv, mode="a", header=len(rows) == 1, index=False)
+                    print(
+                        f"{name:22s} D={D:3d} T={T:5d} pad={pad:.2f} fwd {row['fwd_tflops']:6.1f}"
+                        f" bwd {row['bwd_tflops']:6.1f} TFLOPS",
+                        flush=True,
+                    )
+                    del q, k, v
+                    torch.cuda.empty_cache()
+    return pd.DataFrame(rows)
+
+
+def _time_step(model, tokens, lengths, labels, loss_fn) -> float:
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens, lengths)
+        loss_fn(logits, labels).backward()
+
+    step()
+    return triton.testing.do_bench(step, warmup=300, rep=1500, return_mode="median")
+
+
+def bench_model_step(args) -> pd.DataFrame:
+    from stabilitylab.config import stress_8k
+    from stabilitylab.model import Encoder, masked_lm_loss_sum, vocab_size_for
+
+    cfg = stress_8k()
+    T, vocab = 8192, vocab_size_for(cfg.data.n_genes)
+    rows = []
+    for mb in (1, 2):
+        for backend in ("softmax", "sigmoid-triton"):
+            torch.manual_seed(0)
+            model = Encoder(cfg.model, vocab, T, backend).cuda()
+            tokens = torch.randint(3, vocab, (mb, T), device="cuda")
+            lengths = torch.full((mb,), T, device="cuda")
+            labels = torch.where(torch.rand(mb, T, device="cuda") < 0.15, tokens, -100)
+
+            ms = _time_step(model, tokens, lengths, labels, masked_lm_loss_sum)
+            rows.append({"backend": backend, "micro_batch": mb, "T": T, "step_ms": ms})
+            print(f"model step {backend:15s} mb={mb}: {ms:.1f} ms", flush=True)
+            del model
+            torch.cuda.empty_cache()
+    return pd.DataFrame(rows)
+
+
+def summary(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per shape, one "fwd / bwd" TFLOPS column per provider."""
+    cell = lambda r: f"{r.fwd_tflops:.0f} / {r.bwd_tflops:.0f}".replace("nan", "-")
+    wide = df.assign(cell=df.apply(cell, axis=1), pad_pct=(df["pad"] * 100).round().astype(int))
+    return wide.pivot_table(
+        index=["D", "T", "pad_pct"], columns="provider", values="cell", aggfunc="first"
+    )[[p for p in PROVIDERS if p in set(df.provider)]].reset_index()
+
+
+def markdown_table(df: pd.DataFrame) -> str:
+    """Plain pipe table (no ``tabulate`` dependency); floats to one decimal."""
+    fmt = lambda x: f"{x:.1f}" if isinstance(x, float) else str(x)
+    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def provenance() -> str:
+    return (
+        f"{datetime.date.today()} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+        f"triton {triton.__version__} | CUDA {torch.version.cuda} | python {platform.python_version()}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="T 4K/16K, padding 0/25%%: one short device call"
+    )
+    p.add_argument(
+        "--model-step", action="store_true", help="time the stress_8k Encoder step instead"
+    )
+    p.add_argument("--providers", nargs="+", default=PROVIDERS)
+    p.add_argument("--seq-lens", nargs="+", type=int, help="override the T grid")
+    p.add_argument("--paddings", nargs="+", type=float, help="override the padding grid")
+    p.add_argument("--out", default=os.environ.get("OUT", "results/bench"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention needs a CUDA GPU")
+    os.makedirs(args.out, exist_ok=True)
+    print(provenance())
+    if args.model_step:
+        df, name = bench_model_step(args), "model_step"
+    else:
+        args.head_dims = [64, 128]
+        quick_T, full_T = [4096, 16384], [1024, 2048, 4096, 8192, 16384]
+        args.seq_lens = args.seq_lens or (quick_T if args.quick else full_T)
+        args.paddings = args.paddings or ([0.0, 0.25] if args.quick else [0.0, 0.25, 0.5])
+        for row in accuracy_check():
+            print(f"accuracy {row['mode']:12s} max abs err vs fp64 {row['max_abs_err']:.2e}")
+        df, name = bench_attention(args), "attention"
+    if args.model_step:
+        df.to_csv(os.path.join(args.out, f"{name}.csv"), index=False)
+    table = df if args.model_step else summary(df)
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
+        f.write(f"{provenance()}\n\n{markdown_table(table)}\n")
+    print(table.to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Stats-only Triton reduction: ``max_BH = max over valid (i, j) of |q_i . k_j| * scale``.
+
+For the softmax arm, whose fused kernel (SDPA) cannot report its logits: Q K^T tiles only, no V,
+no n x n tensor. Same layout and padding rules as ``sigmoid_attention`` (padded rows are loaded as
+zeros, so they contribute |0| and never win the max); each program writes its tile's maximum and a
+tiny ``amax`` finishes, so no atomics. Reference: ``kernels/reference.py::max_abs_logit_reference``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from stabilitylab.kernels.reference import max_abs_logit_reference  # noqa: F401  (the maths)
+from stabilitylab.kernels.triton_support import (
+    capability,
+    check_attention_inputs,
+    compiled,
+    dense_for_compile,
+    interpreted,
+    interpreting,
+    last_dim_contiguous,
+    seq_bucket,
+)
+
+
+@triton.jit
+def _max_abs_logit_kernel(
+    Q, K, MX, LENS,
+    sqb, sqh, sqt, skb, skh, skt,
+    H, T, T_BUCKET, mx_stride, scale,
+    HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    L = tl.load(LENS + b).to(tl.int32)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    b64 = b.to(tl.int64)
+    q = tl.load(
+        Q + b64 * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :],
+        mask=offs_m[:, None] < L, other=0.0,
+    )  # fmt: skip
+    k_base = K + b64 * skb + h * skh + offs_d[None, :]
+    mx = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    hi = tl.where(start_m < L, L, 0)
+    for start_n in range(0, hi, BLOCK_N):
+        rows_n = start_n + offs_n
+        k = tl.load(k_base + rows_n[:, None] * skt, mask=rows_n[:, None] < L, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        mx = tl.maximum(mx, tl.max(tl.abs(qk), axis=1))
+    tl.store(MX + pid_bh.to(tl.int64) * mx_stride + pid_m, tl.max(mx, axis=0) * scale)
+
+
+INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
+_MIN_BLOCK_M = 64
+
+
+def _configs(cap: tuple[int, int]) -> list[triton.Config]:
+    blocks = (
+        [(128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3)] if cap[0] >= 9 else [(64, 64, 4, 2)]
+    )
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+        for m, n, w, s in blocks
+    ]
+
+
+_TUNED: dict[tuple[int, int], object] = {}
+
+
+@triton_op("stabilitylab::max_abs_logit", mutates_args=())
+def _max_abs_logit_op(
+    q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scale: float
+) -> torch.Tensor:
+    B, H, T, D = q.shape
+    if interpreting():
+        launch, blocks, min_bm = interpreted(_max_abs_logit_kernel), INTERPRETER_BLOCKS, 16
+    else:
+        cap = capability(q.device)
+        if cap not in _TUNED:
+            _TUNED[cap] = triton.autotune(configs=_configs(cap), key=["T_BUCKET", "HEAD_DIM"])(
+                compiled(_max_abs_logit_kernel)
+            )
+        launch, blocks, min_bm = wrap_triton(_TUNED[cap]), {}, _MIN_BLOCK_M
+    n_mx = triton.cdiv(T, min_bm)
+    mx = torch.zeros(B * H, n_mx, dtype=torch.float32, device=q.device)
+    launch[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](
+        q, k, mx, lengths,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        H, T, seq_bucket(T), n_mx, scale,
+        HEAD_DIM=D, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **blocks,
+    )  # fmt: skip
+    return mx.amax(dim=1).view(B, H)
+
+
+def max_abs_logit(
+    q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, lengths_B: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Exact ``max |q.k| * scale`` over valid pairs per (batch, head): float32 ``max_BH``, detached."""
+    check_attention_inputs({"q_BHTD": q_BHTD, "k_BHTD": k_BHTD}, lengths_B, scale)
+    prepare = dense_for_compile if torch.compiler.is_compiling() else last_dim_contiguous
+    q, k = (prepare(t.detach()) for t in (q_BHTD, k_BHTD))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _max_abs_logit_op(q, k, lengths_B, scale)

@@ -1,0 +1,431 @@
+"""Sigmoid attention in Triton: forward, dQ and dK/dV kernels, padding-aware, with fused max|logit|.
+
+    out_BHTD = sigmoid(q k^T * scale + b) v        over valid keys (j < L_b); rows i >= L_b are 0
+    b        = -log(L_b) per sequence (bias=None) or the float given; scale = 1/sqrt(D) default
+    max_BH   = max over valid (i, j) of |q_i . k_j| * scale (no bias), float32, detached
+
+Layout: ``q/k/v_BHTD`` with any (b, h, t) strides and unit stride along D (the model passes
+``permute``d views of its (B, T, 3, H, D) projection), ``lengths_B`` int32/int64 right padding.
+The reference is ``kernels/reference.py::sigmoid_attention_reference``.
+
+Maths of the backward (P = sigmoid(S), S = scale q k^T + b):
+    dV = P^T dO,   dP = dO V^T,   dS = P (1 - P) dP,   dQ = scale dS K,   dK = scale dS^T Q
+Sigmoid needs no row statistics (softmax needs its log-sum-exp), so both backward kernels simply
+recompute S tile by tile; dQ runs over query tiles, dK/dV over key tiles: no atomics, nothing
+n x n stored.
+
+Padding costs nothing: padded rows of q/k/v/dO are loaded as zeros, which makes every padded pair
+drop out of P V, dP and |S| without an elementwise mask; a program whose tile is wholly padding
+skips its loop (writes zeros) and the loops stop at the last valid tile, so work scales with
+sum(L^2), not B T^2.
+
+Sigmoid modes (constexpr ``SIGMOID``): 0 exact ``1/(1+exp(-x))``; 1 ``0.5 tanh(x/2) + 0.5`` with
+``tanh.approx.f32`` (one MUFU op, the default for 16-bit inputs). Inline PTX cannot run in the
+interpreter, so the launcher picks mode 0 there at call time. Not used: packed
+``tanh.approx.bf16x2`` - with b = -log n most p are ~1/n, and 0.5 + 0.5 t with t near -1 in bf16
+leaves p no significant bits (max abs error 0.17 vs 0.004, docs/LOG.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from stabilitylab.kernels.reference import sigmoid_attention_reference  # noqa: F401  (the maths)
+from stabilitylab.kernels.triton_support import (
+    capability,
+    check_attention_inputs,
+    compiled,
+    dense_for_compile,
+    interpreted,
+    interpreting,
+    last_dim_contiguous,
+    seq_bucket,
+)
+
+EXACT, TANH_F32 = 0, 1
+
+# ---- kernels -------------------------------------------------------------------------------
+# The sigmoid is spelled out in each kernel rather than in a @triton.jit helper: a helper is bound
+# by global name, and the interpreter twin of a kernel cannot call a compiled helper.
+
+
+@triton.jit
+def _sigmoid_fwd_kernel(
+    Q, K, V, Out, MX, LENS,
+    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
+    H, T, T_BUCKET, mx_stride, scale, bias,
+    HEAD_DIM: tl.constexpr, LOG_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
+    RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    L = tl.load(LENS + b).to(tl.int32)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    b64 = b.to(tl.int64)
+    q = tl.load(
+        Q + b64 * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :],
+        mask=offs_m[:, None] < L, other=0.0,
+    )  # fmt: skip
+    k_base = K + b64 * skb + h * skh + offs_d[None, :]
+    v_base = V + b64 * svb + h * svh + offs_d[None, :]
+    bias_b = -tl.log(L.to(tl.float32)) if LOG_BIAS else bias
+    # Modes 1/2 evaluate tanh(x/2): fold the 1/2 into the per-score multiply-add.
+    if SIGMOID == 0:
+        a_s = scale
+        c_s = bias_b
+    else:
+        a_s = 0.5 * scale
+        c_s = 0.5 * bias_b
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    mx = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    hi = tl.where(start_m < L, L, 0)
+    for start_n in range(0, hi, BLOCK_N):
+        rows_n = start_n + offs_n
+        kv_mask = rows_n[:, None] < L
+        k = tl.load(k_base + rows_n[:, None] * skt, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + rows_n[:, None] * svt, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if RETURN_MAX:
+            mx = tl.maximum(mx, tl.max(tl.abs(qk), axis=1))
+        x = qk * a_s + c_s
+        if SIGMOID == 0:
+            p = (1.0 / (1.0 + tl.exp(-x))).to(v.dtype)
+        else:
+            t = tl.inline_asm_elementwise(
+                "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+            )
+            p = (0.5 * t + 0.5).to(v.dtype)
+        acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+    # Padded query rows saw q = 0, so acc holds sigmoid(b) * sum(v) there: zero them on the way out.
+    acc = tl.where(offs_m[:, None] < L, acc, 0.0)
+    tl.store(
+        Out + b64 * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :],
+        acc.to(Out.dtype.element_ty), mask=offs_m[:, None] < T,
+    )  # fmt: skip
+    if RETURN_MAX:
+        tl.store(MX + pid_bh.to(tl.int64) * mx_stride + pid_m, tl.max(mx, axis=0) * scale)
+
+
+@triton.jit
+def _sigmoid_bwd_dq_kernel(
+    Q, K, V, DO, DQ, LENS,
+    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot, sdqb, sdqh, sdqt,
+    H, T, T_BUCKET, scale, bias,
+    HEAD_DIM: tl.constexpr, LOG_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    L = tl.load(LENS + b).to(tl.int32)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    b64 = b.to(tl.int64)
+    row_mask = offs_m[:, None] < L
+    q = tl.load(
+        Q + b64 * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :], mask=row_mask, other=0.0
+    )
+    do = tl.load(
+        DO + b64 * sdob + h * sdoh + offs_m[:, None] * sdot + offs_d[None, :],
+        mask=row_mask,
+        other=0.0,
+    )
+    k_base = K + b64 * skb + h * skh + offs_d[None, :]
+    v_base = V + b64 * svb + h * svh + offs_d[None, :]
+    bias_b = -tl.log(L.to(tl.float32)) if LOG_BIAS else bias
+    if SIGMOID == 0:
+        a_s = scale
+        c_s = bias_b
+    else:
+        a_s = 0.5 * scale
+        c_s = 0.5 * bias_b
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    hi = tl.where(start_m < L, L, 0)
+    for start_n in range(0, hi, BLOCK_N):
+        rows_n = start_n + offs_n
+        kv_mask = rows_n[:, None] < L
+        k = tl.load(k_base + rows_n[:, None] * skt, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + rows_n[:, None] * svt, mask=kv_mask, other=0.0)
+        x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * a_s + c_s
+        if SIGMOID == 0:
+            p = 1.0 / (1.0 + tl.exp(-x))
+        else:
+            t = tl.inline_asm_elementwise(
+                "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+            )
+            p = 0.5 * t + 0.5
+        # Padded keys have v = 0, hence dp = 0 and ds = 0: no mask needed.
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (1.0 - p) * dp
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    tl.store(
+        DQ + b64 * sdqb + h * sdqh + offs_m[:, None] * sdqt + offs_d[None, :],
+        (dq * scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < T,
+    )  # fmt: skip
+
+
+@triton.jit
+def _sigmoid_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LENS,
+    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot,
+    sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
+    H, T, T_BUCKET, scale, bias,
+    HEAD_DIM: tl.constexpr, LOG_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    L = tl.load(LENS + b).to(tl.int32)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    b64 = b.to(tl.int64)
+    key_mask = offs_n[:, None] < L
+    k = tl.load(
+        K + b64 * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :], mask=key_mask, other=0.0
+    )
+    v = tl.load(
+        V + b64 * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :], mask=key_mask, other=0.0
+    )
+    q_base = Q + b64 * sqb + h * sqh + offs_d[None, :]
+    do_base = DO + b64 * sdob + h * sdoh + offs_d[None, :]
+    bias_b = -tl.log(L.to(tl.float32)) if LOG_BIAS else bias
+    if SIGMOID == 0:
+        a_s = scale
+        c_s = bias_b
+    else:
+        a_s = 0.5 * scale
+        c_s = 0.5 * bias_b
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    hi = tl.where(start_n < L, L, 0)
+    for start_m in range(0, hi, BLOCK_M):
+        rows_m = start_m + offs_m
+        q_mask = rows_m[:, None] < L
+        q = tl.load(q_base + rows_m[:, None] * sqt, mask=q_mask, other=0.0)
+        do = tl.load(do_base + rows_m[:, None] * sdot, mask=q_mask, other=0.0)
+        # Transposed scores (keys x queries) so that P^T and dS^T feed the dots without a transpose.
+        x_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * a_s + c_s
+        if SIGMOID == 0:
+            p_t = 1.0 / (1.0 + tl.exp(-x_t))
+        else:
+            t = tl.inline_asm_elementwise(
+                "tanh.approx.f32 $0, $1;", "=f,f", [x_t], dtype=tl.float32, is_pure=True, pack=1
+            )
+            p_t = 0.5 * t + 0.5
+        # Padded queries have dO = 0: their columns add nothing to dV or dS^T.
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (1.0 - p_t) * dp_t
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    valid = offs_n[:, None] < L
+    in_range = offs_n[:, None] < T
+    tl.store(
+        DK + b64 * sdkb + h * sdkh + offs_n[:, None] * sdkt + offs_d[None, :],
+        tl.where(valid, dk * scale, 0.0).to(DK.dtype.element_ty), mask=in_range,
+    )  # fmt: skip
+    tl.store(
+        DV + b64 * sdvb + h * sdvh + offs_n[:, None] * sdvt + offs_d[None, :],
+        tl.where(valid, dv, 0.0).to(DV.dtype.element_ty), mask=in_range,
+    )  # fmt: skip
+
+
+# ---- launch configs ----------------------------------------------------------------------------
+# Production configs per architecture; the GPU tests run these same lists. The interpreter runs one
+# small config (it is slow and tl.dot needs tiles of at least 16).
+
+INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
+
+
+def _configs(kind: str, cap: tuple[int, int]) -> list[triton.Config]:
+    """``kind``: fwd (BLOCK_M queries x BLOCK_N keys per step), dq (same), dkdv (BLOCK_N keys fixed)."""
+    if cap[0] >= 9:
+        # (BLOCK_M, BLOCK_N, num_warps, num_stages); three each keeps first-call autotuning short.
+        blocks = {
+            "fwd": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3)],
+            "dq": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+            "dkdv": [(64, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 2)],
+        }[kind]
+    else:
+        blocks = {
+            "fwd": [(128, 64, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2)],
+            "dq": [(64, 64, 4, 2), (64, 32, 4, 2)],
+            "dkdv": [(32, 64, 4, 2), (64, 64, 4, 2)],
+        }[kind]
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+        for m, n, w, s in blocks
+    ]
+
+
+_TUNED: dict[tuple, object] = {}
+
+
+def _launcher(kernel, kind: str, device: torch.device):
+    """The kernel to launch for this call: interpreted (one config) or autotuned per arch."""
+    if interpreting():
+        return interpreted(kernel), INTERPRETER_BLOCKS
+    cap = capability(device)
+    key = (kernel, cap)
+    if key not in _TUNED:
+        _TUNED[key] = triton.autotune(configs=_configs(kind, cap), key=["T_BUCKET", "HEAD_DIM"])(
+            compiled(kernel)
+        )
+    return wrap_triton(_TUNED[key]), {}
+
+
+def _common_args(D: int, dtype: torch.dtype, log_bias: bool, sigmoid: int) -> dict:
+    return {
+        "HEAD_DIM": D,
+        "LOG_BIAS": log_bias,
+        "SIGMOID": EXACT if interpreting() else sigmoid,
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+    }
+
+
+def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _empty_bthd_as_bhtd(like: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, D) view of (B, T, H, D) memory: the model's ``transpose(1, 2).reshape`` is free."""
+    B, H, T, D = like.shape
+    return torch.empty(B, T, H, D, dtype=like.dtype, device=like.device).permute(0, 2, 1, 3)
+
+
+# ---- torch.library ops (compile-friendly) + autograd --------------------------------------------
+
+
+@triton_op("stabilitylab::sigmoid_attention_fwd", mutates_args=())
+def _fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    bias: float,
+    log_bias: bool,
+    sigmoid: int,
+    return_max: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, T, D = q.shape
+    out = _empty_bthd_as_bhtd(q)
+    launch, blocks = _launcher(_sigmoid_fwd_kernel, "fwd", q.device)
+    # Sized for the smallest BLOCK_M of any config; programs that do not exist leave a neutral 0.
+    if interpreting():
+        min_bm = INTERPRETER_BLOCKS["BLOCK_M"]
+    else:
+        min_bm = min(c.kwargs["BLOCK_M"] for c in _configs("fwd", capability(q.device)))
+    n_mx = triton.cdiv(T, min_bm) if return_max else 1
+    mx = torch.zeros(B * H, n_mx, dtype=torch.float32, device=q.device)
+    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)
+    launch[grid](
+        q, k, v, out, mx, lengths,
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
+        H, T, seq_bucket(T), n_mx, scale, bias,
+        RETURN_MAX=return_max, **_common_args(D, q.dtype, log_bias, sigmoid), **blocks,
+    )  # fmt: skip
+    max_bh = mx.amax(dim=1).view(B, H) if return_max else mx.new_empty(0)
+    return out, max_bh
+
+
+@triton_op("stabilitylab::sigmoid_attention_bwd", mutates_args=())
+def _bwd_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    bias: float,
+    log_bias: bool,
+    sigmoid: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, H, T, D = q.shape
+    dq, dk, dv = (_empty_bthd_as_bhtd(t) for t in (q, k, v))
+    common = _common_args(D, q.dtype, log_bias, sigmoid)
+    launch, blocks = _launcher(_sigmoid_bwd_dq_kernel, "dq", q.device)
+    launch[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](
+        q, k, v, do, dq, lengths,
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(dq),
+        H, T, seq_bucket(T), scale, bias, **common, **blocks,
+    )  # fmt: skip
+    launch, blocks = _launcher(_sigmoid_bwd_dkdv_kernel, "dkdv", q.device)
+    launch[lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * H)](
+        q, k, v, do, dk, dv, lengths,
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(dk), *_strides3(dv),
+        H, T, seq_bucket(T), scale, bias, **common, **blocks,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, lengths, scale, bias, log_bias, sigmoid, _ = inputs
+    ctx.save_for_backward(q, k, v, lengths)
+    ctx.args = (scale, bias, log_bias, sigmoid)
+
+
+def _backward(ctx, d_out, _d_max):
+    q, k, v, lengths = ctx.saved_tensors
+    do = dense_for_compile(d_out)  # a copy only for gapped grads; the model's are dense
+    dq, dk, dv = _bwd_op(do, q, k, v, lengths, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- public function ---------------------------------------------------------------------------
+
+
+def default_fast_mode(dtype: torch.dtype) -> int:
+    """Sigmoid mode for ``exact=False``: the hardware tanh (~5e-4 relative) sits far below 16-bit
+    rounding, but float32 inputs ask for float32 accuracy, so they stay exact."""
+    return EXACT if dtype == torch.float32 else TANH_F32
+
+
+def sigmoid_attention(
+    q_BHTD: torch.Tensor,
+    k_BHTD: torch.Tensor,
+    v_BHTD: torch.Tensor,
+    lengths_B: torch.Tensor,
+    *,
+    scale: float | None = None,
+    bias: float | None = None,
+    exact: bool = False,
+    return_max_logit: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(out_BHTD, max_logit_BH | None)``; see the module docstring for formula and layout.
+
+    ``exact=True`` evaluates ``1/(1+exp(-x))``; the default uses the hardware tanh on CUDA for
+    bf16/fp16 inputs. The output is a (B, H, T, D) view of (B, T, H, D) memory.
+    """
+    check_attention_inputs({"q_BHTD": q_BHTD, "k_BHTD": k_BHTD, "v_BHTD": v_BHTD}, lengths_B, scale)
+    if bias is not None and not math.isfinite(float(bias)):
+        raise ValueError(f"bias must be a finite float or None, got {bias!r}")
+    prepare = dense_for_compile if torch.compiler.is_compiling() else last_dim_contiguous
+    q, k, v = (prepare(t) for t in (q_BHTD, k_BHTD, v_BHTD))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    mode = EXACT if exact else default_fast_mode(q.dtype)
+    out_BHTD, max_BH = _fwd_op(
+        q, k, v, lengths_B, scale, 0.0 if bias is None else float(bias), bias is None, mode,
+        return_max_logit,
+    )  # fmt: skip
+    return out_BHTD, (max_BH.detach() if return_max_logit else None)

@@ -1,0 +1,154 @@
+"""Shared plumbing for the Triton kernels: interpreter switch, input validation, autotune keys.
+
+Triton decides between compiling and interpreting when ``@triton.jit`` runs, i.e. at import, from
+``TRITON_INTERPRET``. The launchers here re-decide at every call instead: the same raw function is
+wrapped as an ``InterpretedFunction`` when ``TRITON_INTERPRET=1`` is set *now*, so one process can
+run the CPU-interpreted and the compiled kernel side by side (tests parametrize the device).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+
+import torch
+import triton
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def interpreting() -> bool:
+    """Read at call time, never cached: tests flip it inside one process."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def interpreted(kernel):
+    """The interpreter twin of a ``@triton.jit`` kernel (built once per kernel)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(kernel, InterpretedFunction):
+        return kernel
+    return InterpretedFunction(kernel.fn)
+
+
+@functools.cache
+def compiled(kernel):
+    """The compiling twin, for a module that was imported while ``TRITON_INTERPRET=1`` was set."""
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(kernel, JITFunction):
+        return kernel
+    return JITFunction(kernel.fn)
+
+
+def seq_bucket(T: int) -> int:
+    """Autotune key for the sequence length: next power of two, so nearby T share a config."""
+    return triton.next_power_of_2(max(int(T), 16))
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+
+
+def check_attention_inputs(
+    named: dict[str, torch.Tensor], lengths_B: torch.Tensor, scale: float | None
+) -> None:
+    """Raise ``ValueError`` naming the first problem with ``q/k/v_BHTD`` and ``lengths_B``.
+
+    Checks rank, matching shapes, head dim, dtypes, devices, CPU-without-interpreter, and the
+    lengths' shape, dtype and range [1, T]. The range check costs one device sync per new lengths
+    tensor; it is skipped while ``torch.compile`` traces (a data-dependent branch breaks the graph).
+    """
+    first_name, first = next(iter(named.items()))
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have rank 4 (B, H, T, D), got shape {tuple(t.shape)}")
+        if t.shape != first.shape:
+            raise ValueError(
+                f"shape mismatch: {first_name} {tuple(first.shape)} vs {name} {tuple(t.shape)}"
+            )
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"{name} has unsupported dtype {t.dtype}; use one of {SUPPORTED_DTYPES}"
+            )
+        if t.dtype != first.dtype:
+            raise ValueError(f"dtype mismatch: {first_name} {first.dtype} vs {name} {t.dtype}")
+        if t.device != first.device:
+            raise ValueError(f"device mismatch: {first_name} {first.device} vs {name} {t.device}")
+    B, _, T, D = first.shape
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"unsupported head dim D={D}; supported: {SUPPORTED_HEAD_DIMS}")
+    if first.device.type == "cpu" and not interpreting():
+        raise ValueError(
+            "inputs are CPU tensors but TRITON_INTERPRET is not '1'; move them to CUDA or set "
+            "TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter"
+        )
+    if first.device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"unsupported device {first.device}; use cuda (or cpu with the interpreter)"
+        )
+    if not isinstance(lengths_B, torch.Tensor):
+        raise ValueError(f"lengths_B must be a torch.Tensor, got {type(lengths_B).__name__}")
+    if lengths_B.shape != (B,):
+        raise ValueError(f"lengths_B must have shape (B,) = ({B},), got {tuple(lengths_B.shape)}")
+    if lengths_B.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"lengths_B must be int32 or int64, got {lengths_B.dtype}")
+    if lengths_B.device != first.device:
+        raise ValueError(
+            f"device mismatch: {first_name} {first.device} vs lengths_B {lengths_B.device}"
+        )
+    if scale is not None and not (
+        isinstance(scale, (int, float)) and scale > 0 and scale < float("inf")
+    ):
+        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
+    if B == 0 or T == 0:
+        raise ValueError(f"empty input: B={B}, T={T}")
+    if not torch.compiler.is_compiling():
+        _check_lengths_range(lengths_B, T)
+
+
+# The last lengths tensor that passed, with its version counter: a model passes one lengths_B to
+# every layer, and a host sync per call stalls the launch queue (docs/LOG.md, 2026-11-29). In-place
+# writes bump ``_version``, so a changed tensor is checked again.
+_checked: tuple[weakref.ref, int, int] | None = None
+
+
+def _check_lengths_range(lengths_B: torch.Tensor, T: int) -> None:
+    global _checked
+    if _checked is not None:
+        ref, version, checked_T = _checked
+        if ref() is lengths_B and version == lengths_B._version and checked_T == T:
+            return
+    lo, hi = torch.stack(torch.aminmax(lengths_B)).tolist()  # one sync, not two
+    if lo < 1 or hi > T:
+        raise ValueError(f"lengths_B must lie in [1, T={T}], got min {lo}, max {hi}")
+    _checked = (weakref.ref(lengths_B), lengths_B._version, T)
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """Kernels take any (b, h, t) strides but need unit stride along D for wide loads."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """No gaps and no overlap: the strides follow from the dims' stride order alone."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda p: p[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def dense_for_compile(t: torch.Tensor) -> torch.Tensor:
+    """Under torch.compile, inductor keeps a Triton kernel argument's stride *order* but may
+    re-allocate it densely, while the strides we pass are ints frozen at trace time: a gapped view
+    (the model's q/k/v out of one (B, T, 3, H, D) projection) would then be read with stale strides.
+    Dense tensors have one stride set per order, so those pass as they are."""
+    t = last_dim_contiguous(t)
+    return t if is_dense(t) else t.contiguous()

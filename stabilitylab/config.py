@@ -1,0 +1,304 @@
+"""Typed configuration: a dataclass tree, presets, and command-line overrides.
+
+    python experiments/stress_8k.py --preset smoke --train.lr=3e-3 --arm softmax
+
+Every field is checked in ``__post_init__``; an unknown key or a bad value stops the program before
+any work, naming the key. Stress knobs (learning-rate scale, warmup, context, depth/width, init
+scale, QK-LayerNorm, sigmoid bias, clipping) are plain fields with the paper's values as defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+N_SPECIAL_TOKENS = 3  # PAD=0, MASK=1, CLS=2; gene g has token id g + 3
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key."""
+
+
+def _check(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"config {key}: {msg}")
+
+
+@dataclass
+class ModelConfig:
+    n_layers: int = 12
+    d_model: int = 768
+    n_heads: int = 12
+    d_ff: int = 3072
+    dropout: float = 0.02
+    ln_eps: float = 1e-5
+    init_std: float = 0.02
+    init_scale: float = 1.0
+    """Stress knob: multiplies init_std for every weight."""
+    qk_layernorm: bool = False
+    """Stress knob: LayerNorm on queries and keys per head (Wortsman et al. 2023)."""
+    sigmoid_bias: float | None = None
+    """Stress knob: sigmoid bias b; None means b = -log(n_valid) per sequence."""
+
+    def __post_init__(self) -> None:
+        for k in ("n_layers", "d_model", "n_heads", "d_ff"):
+            _check(getattr(self, k) > 0, f"model.{k}", f"must be positive, got {getattr(self, k)}")
+        _check(
+            self.d_model % self.n_heads == 0,
+            "model.n_heads",
+            f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}",
+        )
+        _check(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}")
+        _check(self.ln_eps > 0, "model.ln_eps", f"must be positive, got {self.ln_eps}")
+        _check(self.init_std > 0, "model.init_std", f"must be positive, got {self.init_std}")
+        _check(self.init_scale > 0, "model.init_scale", f"must be positive, got {self.init_scale}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class DataConfig:
+    source: Literal["synthetic", "h5ad"] = "synthetic"
+    h5ad_path: str | None = None
+    """Path to an AnnData .h5ad file (source=h5ad); genes come from var_names."""
+    context_len: int = 8192
+    """Stress knob: maximum tokens per cell (the top-expressed genes, in rank order)."""
+    n_genes: int = 44_000
+    """Gene vocabulary of the synthetic generator (h5ad: taken from the file)."""
+    n_cell_types: int = 64
+    n_programs: int = 256
+    genes_per_program: int = 400
+    min_genes: int = 256
+    """Fewest expressed genes a synthetic cell keeps (lengths are jagged up to context_len)."""
+    mask_prob: float = 0.15
+    dispersion: float = 2.0
+    """Negative-binomial shape r (smaller = more over-dispersed)."""
+    dropout_rate: float = 0.3
+    """Extra zero-inflation: chance an expressed gene is not captured."""
+
+    def __post_init__(self) -> None:
+        _check(self.context_len >= 2, "data.context_len", f"must be >= 2, got {self.context_len}")
+        _check(self.n_genes >= 8, "data.n_genes", f"must be >= 8, got {self.n_genes}")
+        _check(0.0 < self.mask_prob < 1.0, "data.mask_prob", f"must be in (0, 1), got {self.mask_prob}")
+        _check(
+            0 < self.min_genes <= self.context_len,
+            "data.min_genes",
+            f"must be in [1, context_len={self.context_len}], got {self.min_genes}",
+        )
+        _check(self.n_cell_types > 0, "data.n_cell_types", "must be positive")
+        _check(self.n_programs > 0, "data.n_programs", "must be positive")
+        _check(
+            0 < self.genes_per_program <= self.n_genes,
+            "data.genes_per_program",
+            f"must be in [1, n_genes={self.n_genes}], got {self.genes_per_program}",
+        )
+        _check(self.dispersion > 0, "data.dispersion", "must be positive")
+        _check(0.0 <= self.dropout_rate < 1.0, "data.dropout_rate", "must be in [0, 1)")
+        if self.source == "h5ad":
+            _check(bool(self.h5ad_path), "data.h5ad_path", "is required when data.source=h5ad")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 80_000
+    global_batch: int = 256
+    micro_batch: int = 1
+    """Sequences per process per forward; accumulation = global_batch / (micro_batch * processes)."""
+    lr: float = 1e-4
+    lr_scale: float = 1.0
+    """Stress knob: multiplies lr."""
+    warmup_steps: int = 10_000
+    """Stress knob: linear warmup length, then constant."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    clip_grad: float | None = None
+    """Stress knob: max global grad norm; None (stress presets) = no clipping."""
+    seed: int = 42
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """auto: bf16 autocast on CUDA, fp32 on CPU."""
+    on_divergence: Literal["stop", "continue"] = "stop"
+    """Policy once the run is diverged (non-finite, or loss+grad-norm detectors fire)."""
+    checkpoint_every: int = 1000
+    """Steps between checkpoints (0 = only at the end and on SIGTERM/SIGINT)."""
+    compile: bool = False
+    peak_tflops: float | None = None
+    """Peak dense bf16 TFLOPS for MFU; None = from the GPU name (H100/H200: 989)."""
+
+    def __post_init__(self) -> None:
+        _check(self.steps > 0, "train.steps", f"must be positive, got {self.steps}")
+        _check(self.global_batch > 0, "train.global_batch", "must be positive")
+        _check(self.micro_batch > 0, "train.micro_batch", "must be positive")
+        _check(self.lr > 0, "train.lr", f"must be positive, got {self.lr}")
+        _check(self.lr_scale > 0, "train.lr_scale", f"must be positive, got {self.lr_scale}")
+        _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1/beta2", "must be in [0, 1)")
+        _check(self.eps > 0, "train.eps", "must be positive")
+        _check(self.clip_grad is None or self.clip_grad > 0, "train.clip_grad", "must be > 0 or None")
+        _check(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
+
+    @property
+    def peak_lr(self) -> float:
+        return self.lr * self.lr_scale
+
+
+@dataclass
+class TelemetryConfig:
+    log_every: int = 10
+    """Steps between scalar logs (loss, lr, grad norm, throughput). 0 = off."""
+    layer_every: int = 50
+    """Steps between per-layer grad/param norms and update-to-weight ratios. 0 = off."""
+    logit_every: int = 50
+    """Steps between per-layer, per-head max |attention logit|. 0 = off."""
+    probe_every: int = 200
+    """Steps between live Jacobian spectral-norm probes (0 = off). At 200 steps x 256 tokens the
+    measured cost is < 1% of training time (docs/THEORY.md)."""
+    probe_samples: int = 1
+    """Sequences of the batch the live probe uses."""
+    probe_tokens: int = 256
+    """Leading tokens of each sampled sequence the live probe uses."""
+    probe_iters: int = 8
+    """Power iterations per probe."""
+    flush_secs: int = 5
+
+    def __post_init__(self) -> None:
+        for k in ("log_every", "layer_every", "logit_every", "probe_every"):
+            _check(getattr(self, k) >= 0, f"telemetry.{k}", "must be >= 0")
+        _check(self.probe_samples > 0, "telemetry.probe_samples", "must be positive")
+        _check(self.probe_tokens > 1, "telemetry.probe_tokens", "must be > 1")
+        _check(self.probe_iters > 0, "telemetry.probe_iters", "must be positive")
+
+
+ARMS = ("softmax", "sigmoid")
+
+
+@dataclass
+class Config:
+    preset: str = "stress_8k"
+    name: str = "stress_8k"
+    """Run name: runs go to <out_dir>/<name>/<arm>/."""
+    out_dir: str = "runs"
+    arm: Literal["both", "softmax", "sigmoid"] = "both"
+    sigmoid_backend: Literal["auto", "sigmoid-reference", "sigmoid-triton"] = "auto"
+    """auto: sigmoid-triton on CUDA, sigmoid-reference on CPU."""
+    resume: bool = True
+    """Continue from <run dir>/checkpoints/last.pt when it exists."""
+    report: bool = True
+    """Run the analysis report over the arms at the end."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.preset in PRESETS, "preset", f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
+        _check(bool(self.name) and "/" not in self.name, "name", f"must be a plain name, got {self.name!r}")
+
+    def arms(self) -> list[str]:
+        return list(ARMS) if self.arm == "both" else [self.arm]
+
+    def backend_for(self, arm: str, cuda: bool) -> str:
+        if arm == "softmax":
+            return "softmax"
+        if self.sigmoid_backend == "auto":
+            return "sigmoid-triton" if cuda else "sigmoid-reference"
+        return self.sigmoid_backend
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(d: dict) -> Config:
+    return Config(
+        **{k: v for k, v in d.items() if k not in ("model", "data", "train", "telemetry")},
+        model=ModelConfig(**d["model"]),
+        data=DataConfig(**d["data"]),
+        train=TrainConfig(**d["train"]),
+        telemetry=TelemetryConfig(**d["telemetry"]),
+    )
+
+
+# ---- presets -------------------------------------------------------------------------------
+
+
+def stress_8k() -> Config:
+    """The paper's stress test (section 5.3, A.2): 160M encoder, 8K context, no clipping."""
+    return Config(preset="stress_8k", name="stress_8k")
+
+
+def smoke() -> Config:
+    """CPU-sized paired run: learns within a few hundred steps on 2 cores."""
+    return Config(
+        preset="smoke",
+        name="smoke",
+        model=ModelConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256, dropout=0.0),
+        data=DataConfig(
+            context_len=128,
+            n_genes=512,
+            n_cell_types=8,
+            n_programs=16,
+            genes_per_program=48,
+            min_genes=32,
+        ),
+        train=TrainConfig(
+            steps=300, global_batch=16, micro_batch=16, lr=3e-3, warmup_steps=30,
+            checkpoint_every=100,
+        ),
+        telemetry=TelemetryConfig(log_every=5, layer_every=25, logit_every=25),
+    )
+
+
+def proxy() -> Config:
+    """Small fast GPU model for sweeps: minutes per run on one H200."""
+    return Config(
+        preset="proxy",
+        name="proxy",
+        model=ModelConfig(n_layers=6, d_model=384, n_heads=6, d_ff=1536),
+        data=DataConfig(
+            context_len=1024, n_genes=4096, n_cell_types=32, n_programs=96,
+            genes_per_program=160, min_genes=128,
+        ),
+        train=TrainConfig(
+            steps=2000, global_batch=64, micro_batch=64, lr=1e-3, warmup_steps=200,
+            checkpoint_every=1000,
+        ),
+        telemetry=TelemetryConfig(log_every=10, layer_every=50, logit_every=50),
+    )
+
+
+PRESETS = {"stress_8k": stress_8k, "smoke": smoke, "proxy": proxy}
+
+
+def parse(argv: list[str] | None = None, default_preset: str = "stress_8k") -> Config:
+    """Pick a preset (``--preset NAME``), then apply typed overrides with tyro."""
+    import tyro
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default=default_preset)
+    known, rest = pre.parse_known_args(argv)
+    if known.preset not in PRESETS:
+        raise ConfigError(f"config preset: unknown preset {known.preset!r}; choose one of {sorted(PRESETS)}")
+    base = PRESETS[known.preset]()
+    try:
+        # Booleans take a value like every other key (--model.qk_layernorm=True), not flag pairs.
+        return tyro.cli(
+            Config, default=base, args=rest, description=__doc__,
+            config=(tyro.conf.FlagConversionOff,),
+        )
+    except ConfigError as e:
+        # tyro builds the dataclasses; a failed __post_init__ surfaces here, key named.
+        raise SystemExit(f"error: {e}") from None
+
+
+def dumps(cfg: Config) -> str:
+    return json.dumps(to_dict(cfg), indent=2, sort_keys=True)

@@ -1,0 +1,29 @@
+"""TensorBoard tag names: the one place they are spelled. The README documents them.
+
+Per-layer tags end in ``layer_{i}`` (0 = the layer nearest the embeddings); per-head tags add
+``/head_{h}``. Analysis code parses tags with these helpers, never with ad-hoc strings.
+"""
+
+LOSS = "train/loss"  # mean masked-token cross-entropy of the optimizer step (nats)
+LR = "train/lr"
+GRAD_NORM = "train/grad_norm"  # global L2 norm of all gradients, before any clipping
+TOKENS_PER_S = "perf/tokens_per_s"  # valid tokens per second, all processes
+STEP_TIME = "perf/step_time_s"
+MFU = "perf/mfu"  # model FLOPs utilisation, valid tokens only (CUDA only)
+NONFINITE = "event/nonfinite"  # 1.0 at a step whose loss or gradient was not finite
+MAX_LOGIT = "attn/max_logit"  # max over layers and heads of max |q.k|/sqrt(d)
+
+GRAD_NORM_LAYER = "grad_norm/layer_{i}"
+PARAM_NORM_LAYER = "param_norm/layer_{i}"
+UPDATE_RATIO_LAYER = "update_ratio/layer_{i}"  # ||W_after - W_before|| / ||W_before||
+MAX_LOGIT_LAYER = "attn/max_logit/layer_{i}"  # max over heads
+MAX_LOGIT_HEAD = "attn/max_logit/layer_{i}/head_{h}"
+JACOBIAN_LAYER = "probe/jacobian/layer_{i}"  # power-iteration spectral norm of attention layer
+
+
+def layer(tag: str, i: int) -> str:
+    return tag.format(i=i)
+
+
+def head(i: int, h: int) -> str:
+    return MAX_LOGIT_HEAD.format(i=i, h=h)

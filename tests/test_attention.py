@@ -1,0 +1,79 @@
+"""Every attention backend against a float64 reference, with padding."""
+
+import math
+
+import pytest
+import torch
+
+from stabilitylab.attention import available, get_backend, max_abs_logit
+from stabilitylab.kernels.reference import key_mask_BT
+
+
+def softmax_reference_f64(q, k, v, lengths):
+    q, k, v = q.double(), k.double(), v.double()
+    T, D = q.shape[2], q.shape[3]
+    valid = key_mask_BT(lengths, T)
+    s = q @ k.transpose(-1, -2) / math.sqrt(D)
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    out = torch.softmax(s, -1) @ v
+    return out * valid[:, None, :, None]
+
+
+def sigmoid_reference_f64(q, k, v, lengths, bias=None):
+    q, k, v = q.double(), k.double(), v.double()
+    T, D = q.shape[2], q.shape[3]
+    valid = key_mask_BT(lengths, T)
+    b = -torch.log(lengths.double()) if bias is None else torch.full(lengths.shape, bias, dtype=torch.float64)
+    p = torch.sigmoid(q @ k.transpose(-1, -2) / math.sqrt(D) + b[:, None, None, None])
+    out = (p * valid[:, None, None, :]) @ v
+    return out * valid[:, None, :, None]
+
+
+def _inputs(B, H, T, D, lengths, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda: torch.randn(B, H, T, D, generator=g).to(dtype)
+    return mk(), mk(), mk(), torch.tensor(lengths)
+
+
+@pytest.mark.parametrize("name", available())
+@pytest.mark.parametrize("bias", [None, -1.5])
+def test_backend_matches_float64_reference_with_padding(name, bias):
+    seed = torch.randint(0, 2**31, ()).item()
+    q, k, v, lengths = _inputs(3, 2, 37, 64, [37, 20, 1], torch.float32, seed)
+    out, stats = get_backend(name)(q, k, v, lengths, sigmoid_bias=bias, return_max_logit=True)
+    ref = softmax_reference_f64 if name == "softmax" else sigmoid_reference_f64
+    expected = ref(q, k, v, lengths) if name == "softmax" else ref(q, k, v, lengths, bias)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out.double(), expected, atol=2e-4, rtol=2e-4, msg=f"seed {seed}")
+    valid = key_mask_BT(lengths, q.shape[2])
+    assert (out[~valid[:, None, :, None].expand_as(out)] == 0).all(), "padded query rows must be zero"
+    s = (q.double() @ k.double().transpose(-1, -2) / 8.0).abs()
+    pair = valid[:, None, :, None] & valid[:, None, None, :]
+    exact = s.masked_fill(~pair, 0).amax(dim=(-1, -2))
+    torch.testing.assert_close(stats.double(), exact, atol=1e-4, rtol=1e-5, msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("name", available())
+def test_padded_keys_contribute_nothing(name):
+    q, k, v, lengths = _inputs(1, 2, 16, 64, [9], torch.float32, 1)
+    out1, _ = get_backend(name)(q, k, v, lengths)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 9:] = 1e3
+    v2[:, :, 9:] = -1e3
+    out2, _ = get_backend(name)(q, k2, v2, lengths)
+    torch.testing.assert_close(out1, out2)
+
+
+def test_max_abs_logit_chunks_agree():
+    from stabilitylab.kernels.reference import max_abs_logit_reference
+
+    q, k, _, lengths = _inputs(2, 3, 50, 64, [50, 13], torch.float32, 2)
+    whole = max_abs_logit_reference(q, k, lengths)
+    tiny_chunks = max_abs_logit_reference(q, k, lengths, chunk_elems=2 * 3 * 50 * 3)
+    torch.testing.assert_close(whole, tiny_chunks)
+    torch.testing.assert_close(max_abs_logit(q, k, lengths), whole)
+
+
+def test_unknown_backend_is_named():
+    with pytest.raises(ValueError, match="flash-sigmoid"):
+        get_backend("flash-sigmoid")

@@ -1,0 +1,259 @@
+"""Triton sigmoid attention and max|logit| against float64 references.
+
+Criterion (the field's): err(kernel, ref64) <= 2 * err(torch at the kernel's dtype, ref64) + atol,
+3x for gradients; max abs errors. CPU runs use Triton's interpreter (TRITON_INTERPRET=1 set per test,
+read by the launchers at call time, so import order within one pytest process does not matter);
+the same tests run the compiled kernels with the production autotune configs on CUDA. bf16 runs
+only on CUDA: the interpreter's bf16 tl.dot is wrong (shared/notes/triton-interpreter.md).
+
+Padded positions of every kernel input (and of the incoming gradient) are filled with NaN: the
+kernels must never read them. Inputs are drawn fresh per test; the seed is printed for replay.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from stabilitylab.kernels import max_abs_logit, sigmoid_attention
+from stabilitylab.kernels.reference import (
+    key_mask_BT,
+    max_abs_logit_reference,
+    sigmoid_attention_reference,
+)
+from stabilitylab.kernels.triton_support import dense_for_compile, is_dense
+
+CUDA = torch.cuda.is_available()
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
+ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
+DTYPES = [torch.float16, torch.float32, pytest.param(torch.bfloat16, marks=gpu)]
+# (T, lengths) per device: tiny in the interpreter, several production tiles on the GPU.
+SHAPES = {
+    "cpu": {"odd": (37, [37, 19]), "len1": (21, [1, 21]), "all_but_one": (33, [1, 1])},
+    "cuda": {"odd": (523, [523, 300]), "len1": (257, [1, 257]), "all_but_one": (700, [1, 1])},
+}
+
+
+@pytest.fixture(params=DEVICES)
+def device(request, monkeypatch):
+    if request.param == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return request.param
+
+
+def _generator(device: str) -> torch.Generator:
+    seed = random.SystemRandom().randrange(2**31)
+    print(f"seed={seed}")
+    return torch.Generator(device).manual_seed(seed)
+
+
+def _inputs(B, H, T, D, lengths, dtype, device, gen):
+    """Model layout: q/k/v are permuted views of one (B, T, 3, H, D) tensor, padding = NaN."""
+    lengths_B = torch.tensor(lengths, device=device)
+    qkv = torch.randn(B, T, 3, H, D, generator=gen, device=device, dtype=torch.float32)
+    valid = key_mask_BT(lengths_B, T)[:, :, None, None, None]
+    clean = (qkv * valid).to(dtype)
+    dirty = clean.masked_fill(~valid, float("nan"))
+    views = lambda t: t.permute(2, 0, 3, 1, 4).unbind(0)
+    return views(clean), views(dirty), lengths_B
+
+
+def _err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _ref_grads(q, k, v, lengths, g, **kw):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = sigmoid_attention_reference(*leaves, lengths, **kw)
+    return out.detach(), torch.autograd.grad(out, leaves, g.to(out.dtype))
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_reference(device, dtype, D):
+    """All length cases in one test, so parallel GPU workers do not compile the same kernels."""
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("bf16 tl.dot is wrong in the CPU interpreter")
+    gen = _generator(device)
+    # The exact-sigmoid path is compiled separately on CUDA; one 16-bit dtype covers it.
+    modes = [False, True] if device == "cuda" and dtype == torch.bfloat16 else [False]
+    for case, (T, lengths) in SHAPES[device].items():
+        for exact in modes:
+            _check_against_reference(
+                device, dtype, D, T, lengths, exact, gen, f"{case} exact={exact}"
+            )
+
+
+def _check_against_reference(device, dtype, D, T, lengths, exact, gen, where):
+    B, H = len(lengths), 2
+    (q, k, v), (qn, kn, vn), lengths_B = _inputs(B, H, T, D, lengths, dtype, device, gen)
+    valid = key_mask_BT(lengths_B, T)[:, None, :, None]
+    g = torch.randn(B, H, T, D, generator=gen, device=device).to(dtype)
+    g_nan = g.masked_fill(~valid, float("nan"))
+    g = g * valid
+
+    out64, grads64 = _ref_grads(q.double(), k.double(), v.double(), lengths_B, g)
+    out_t, grads_t = _ref_grads(q, k, v, lengths_B, g)
+    leaves = [t.detach().requires_grad_() for t in (qn, kn, vn)]
+    out, max_BH = sigmoid_attention(*leaves, lengths_B, exact=exact, return_max_logit=True)
+    grads = torch.autograd.grad(out, leaves, g_nan)
+
+    assert out.shape == q.shape and out.dtype == dtype, where
+    assert _err(out, out64) <= 2 * _err(out_t, out64) + ATOL[dtype], where
+    for name, a, t_, r in zip("qkv", grads, grads_t, grads64, strict=True):
+        assert torch.isfinite(a).all(), f"d{name} not finite, {where}"
+        assert _err(a, r) <= 3 * _err(t_, r) + ATOL[dtype], f"d{name}, {where}"
+    for b, L in enumerate(lengths):
+        assert (out[b, :, L:] == 0).all(), f"padded query rows must be zero, {where}"
+        for a in grads:
+            assert (a[b, :, L:] == 0).all(), f"padded rows must get zero gradient, {where}"
+    max_ref = max_abs_logit_reference(q.double(), k.double(), lengths_B)
+    assert max_BH.dtype == torch.float32 and not max_BH.requires_grad, where
+    torch.testing.assert_close(max_BH.double(), max_ref.double(), rtol=1e-4, atol=1e-5, msg=where)
+
+
+def test_bias_scale_and_no_max(device):
+    gen = _generator(device)
+    T, lengths = SHAPES[device]["odd"]
+    (q, k, v), (qn, kn, vn), lengths_B = _inputs(2, 1, T, 64, lengths, torch.float32, device, gen)
+    out, max_BH = sigmoid_attention(qn, kn, vn, lengths_B, scale=0.3, bias=-2.0)
+    assert max_BH is None
+    ref = sigmoid_attention_reference(q.double(), k.double(), v.double(), lengths_B, 0.3, -2.0)
+    assert _err(out, ref) <= 1e-4
+    default_bias = sigmoid_attention_reference(q.double(), k.double(), v.double(), lengths_B, 0.3)
+    assert _err(default_bias, ref) > 1e-2, "test must be able to tell the bias apart"
+
+
+def test_strided_views_equal_contiguous(device):
+    gen = _generator(device)
+    T, lengths = SHAPES[device]["odd"]
+    (q, k, v), _, lengths_B = _inputs(2, 2, T, 64, lengths, torch.float16, device, gen)
+    assert not q.is_contiguous()
+    out_view, _ = sigmoid_attention(q, k, v, lengths_B)
+    out_copy, _ = sigmoid_attention(q.contiguous(), k.contiguous(), v.contiguous(), lengths_B)
+    assert torch.equal(out_view, out_copy)
+    # The output is laid out (B, T, H, D) so the model's transpose(1, 2).reshape is a free view.
+    assert out_view.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_max_abs_logit_matches_reference(device, D):
+    gen = _generator(device)
+    T, lengths = SHAPES[device]["odd"]
+    dtype = torch.float16
+    (q, k, _), (qn, kn, _), lengths_B = _inputs(2, 3, T, D, lengths, dtype, device, gen)
+    got = max_abs_logit(qn, kn, lengths_B)
+    ref = max_abs_logit_reference(q.double(), k.double(), lengths_B)
+    assert got.shape == (2, 3) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref.double(), rtol=1e-4, atol=1e-5)
+    got_scaled = max_abs_logit(qn, kn, lengths_B, scale=0.5)
+    torch.testing.assert_close(
+        got_scaled.double(), ref.double() * 0.5 * D**0.5, rtol=1e-4, atol=1e-5
+    )
+
+
+def _bad_inputs(device):
+    q = torch.randn(2, 2, 8, 64, device=device)
+    L = torch.tensor([8, 3], device=device)
+    return q, L
+
+
+BAD = {
+    "rank": (lambda q, L: (q[0], q[0], q[0], L), "rank 4"),
+    "shape": (lambda q, L: (q, q[:, :, :4], q, L), "shape mismatch"),
+    "head_dim": (lambda q, L: (q[..., :32], q[..., :32], q[..., :32], L), "head dim"),
+    "dtype_mismatch": (lambda q, L: (q, q.half(), q, L), "dtype mismatch"),
+    "dtype": (lambda q, L: (q.double(),) * 3 + (L,), "unsupported dtype"),
+    "lengths_shape": (lambda q, L: (q, q, q, L[:1]), r"shape \(B,\)"),
+    "lengths_dtype": (lambda q, L: (q, q, q, L.float()), "int32 or int64"),
+    "lengths_zero": (lambda q, L: (q, q, q, L * 0), r"\[1, T=8\]"),
+    "lengths_long": (lambda q, L: (q, q, q, L + 1), r"\[1, T=8\]"),
+    "lengths_device": (lambda q, L: (q, q, q, L.to("meta")), "device mismatch"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD))
+def test_value_errors(bad, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    make, msg = BAD[bad]
+    args = make(*_bad_inputs("cpu"))
+    with pytest.raises(ValueError, match=msg):
+        sigmoid_attention(*args)
+    with pytest.raises(ValueError, match=msg):
+        max_abs_logit(args[0], args[1], args[3])
+
+
+def test_lengths_rechecked_after_in_place_change(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q = torch.randn(2, 1, 16, 64)
+    L = torch.tensor([16, 5])
+    sigmoid_attention(q, q, q, L)
+    L[1] = 17
+    with pytest.raises(ValueError, match=r"\[1, T=16\]"):
+        sigmoid_attention(q, q, q, L)
+
+
+def test_cpu_without_interpreter_is_a_value_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, L = _bad_inputs("cpu")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        sigmoid_attention(q, q, q, L)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        max_abs_logit(q, q, L)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_device_mismatch_cuda(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, L = _bad_inputs("cuda")
+    with pytest.raises(ValueError, match="device mismatch"):
+        sigmoid_attention(q, q.cpu(), q, L)
+    with pytest.raises(ValueError, match="device mismatch"):
+        sigmoid_attention(q, q, q, L.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_torch_compile_fullgraph_no_break(monkeypatch):
+    """fullgraph=True raises on any graph break; inductor may pick its own autotune config, so the
+    compiled result is held to the float64 criterion rather than to bitwise equality with eager."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gen = _generator("cuda")
+    T, lengths = 300, [300, 171]
+    (q, k, v), _, lengths_B = _inputs(2, 2, T, 64, lengths, torch.bfloat16, "cuda", gen)
+    g = torch.randn(2, 2, T, 64, generator=gen, device="cuda").bfloat16()
+    g = g * key_mask_BT(lengths_B, T)[:, None, :, None]
+
+    def step(q, k, v, lengths_B):
+        out, m = sigmoid_attention(q, k, v, lengths_B, return_max_logit=True)
+        return out, m
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, max_BH = torch.compile(step, fullgraph=True)(*leaves, lengths_B)
+    grads = torch.autograd.grad(out, leaves, g)
+    out64, grads64 = _ref_grads(q.double(), k.double(), v.double(), lengths_B, g)
+    out_t, grads_t = _ref_grads(q, k, v, lengths_B, g)
+    atol = ATOL[torch.bfloat16]
+    assert _err(out, out64) <= 2 * _err(out_t, out64) + atol
+    for a, t_, r in zip(grads, grads_t, grads64, strict=True):
+        assert _err(a, r) <= 3 * _err(t_, r) + atol
+    max_ref = max_abs_logit_reference(q.double(), k.double(), lengths_B)
+    torch.testing.assert_close(max_BH.double(), max_ref.double(), rtol=1e-4, atol=1e-5)
+
+
+def test_dense_for_compile_copies_only_gapped_views():
+    qkv = torch.randn(2, 5, 3, 4, 64)
+    q_gapped = qkv.permute(2, 0, 3, 1, 4)[0]  # the model's layout: a gap where the 3 was
+    q_dense = torch.randn(2, 5, 4, 64).permute(0, 2, 1, 3)  # our outputs' layout
+    assert not is_dense(q_gapped) and is_dense(q_dense)
+    assert dense_for_compile(q_dense) is q_dense
+    fixed = dense_for_compile(q_gapped)
+    assert fixed.is_contiguous() and torch.equal(fixed, q_gapped)
+    assert not is_dense(torch.randn(4, 64).expand(3, 4, 64)), "overlap is not dense"

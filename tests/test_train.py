@@ -1,0 +1,139 @@
+"""The spine end to end on CPU: paired smoke run, divergence as an outcome, resume to the bit."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stabilitylab import config as C
+from stabilitylab import tags
+from stabilitylab.train import run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def smoke(tmp_path, *overrides):
+    return C.parse(["--preset", "smoke", f"--out_dir={tmp_path}", "--report=False", *overrides])
+
+
+def read_summary(d: Path) -> dict:
+    return json.loads((d / "summary.json").read_text())
+
+
+def test_paired_smoke_run_writes_everything(tmp_path):
+    cfg = smoke(tmp_path, "--train.steps=30", "--telemetry.logit_every=10", "--telemetry.layer_every=10")
+    out = run(cfg)
+    assert set(out) == {"softmax", "sigmoid"}
+    hashes = set()
+    for arm in ("softmax", "sigmoid"):
+        d = tmp_path / "smoke" / arm
+        s = read_summary(d)
+        assert s["status"] == "stable" and s["steps"] == 30 and s["arm"] == arm
+        assert math.isfinite(s["final_loss"]) and s["max_logit"] > 0 and s["max_grad_norm"] > 0
+        hashes.add(s["init_hash"])
+        conf = json.loads((d / "config.json").read_text())
+        assert conf["arm"] == arm and conf["backend"] == ("softmax" if arm == "softmax" else "sigmoid-reference")
+        prov = json.loads((d / "provenance.json").read_text())
+        assert prov["torch"] == torch.__version__ and "git_commit" in prov and "git_dirty" in prov
+        assert list(d.glob("events.out.tfevents.*"))
+        assert (d / "checkpoints" / "last.pt").exists()
+    assert len(hashes) == 1, "both arms must start from identical weights"
+
+
+def test_nonfinite_is_recorded_with_module_and_forensic_checkpoint(tmp_path, monkeypatch):
+    import stabilitylab.train as T
+
+    build = T.build_model
+    calls = {"n": 0}
+
+    def build_with_fault(cfg, backend, vocab):
+        model = build(cfg, backend, vocab)
+
+        def poison(_mod, _inp, out):
+            calls["n"] += 1
+            return out * float("inf") if calls["n"] > 7 else out
+
+        model.blocks[1].attn.register_forward_hook(poison)
+        return model
+
+    monkeypatch.setattr(T, "build_model", build_with_fault)
+    cfg = smoke(tmp_path, "--arm=softmax", "--train.steps=20", "--train.checkpoint_every=2")
+    s = run(cfg)["softmax"]
+    d = tmp_path / "smoke" / "softmax"
+    assert s["status"] == "diverged" and s["divergence_step"] == 7
+    assert s["first_nonfinite_module"] == "blocks.1.attn"
+    assert (d / "checkpoints" / "forensic_step7.pt").exists()
+    assert (d / "checkpoints" / "last.pt").exists()
+    assert read_summary(d)["status"] == "diverged"
+    forensic = torch.load(d / "checkpoints" / "forensic_step7.pt", weights_only=False)
+    assert all(torch.isfinite(p).all() for p in forensic["model"].values()), "weights before the bad update"
+
+    from stabilitylab.analysis.events import load_runs
+
+    df = load_runs([d])
+    assert (df[df.tag == tags.NONFINITE].step == 7).any()
+
+
+def test_continue_policy_runs_through_nonfinite_steps(tmp_path, monkeypatch):
+    import stabilitylab.train as T
+
+    build = T.build_model
+    calls = {"n": 0}
+
+    def build_with_fault(cfg, backend, vocab):
+        model = build(cfg, backend, vocab)
+
+        def poison(_mod, _inp, out):
+            calls["n"] += 1
+            return out * float("nan") if calls["n"] in (4, 5) else out
+
+        model.blocks[0].ff.register_forward_hook(poison)
+        return model
+
+    monkeypatch.setattr(T, "build_model", build_with_fault)
+    cfg = smoke(tmp_path, "--arm=sigmoid", "--train.steps=12", "--train.on_divergence=continue")
+    s = run(cfg)["sigmoid"]
+    assert s["status"] == "diverged" and s["divergence_step"] == 3 and s["steps"] == 12
+    assert s["nonfinite_steps"] == 1 and math.isfinite(s["final_loss"])
+
+
+def _cmd(out_dir, steps):
+    return [sys.executable, "experiments/stress_8k.py", "--preset", "smoke", "--arm", "sigmoid",
+            f"--out_dir={out_dir}", "--report=False", f"--train.steps={steps}", "--model.dropout=0.1",
+            "--train.checkpoint_every=10", "--telemetry.logit_every=7"]
+
+
+def test_sigterm_then_resume_is_bitwise_identical(tmp_path):
+    steps = 60
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    straight = subprocess.run(_cmd(tmp_path / "a", steps), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    proc = subprocess.Popen(_cmd(tmp_path / "b", steps), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    last = tmp_path / "b" / "smoke" / "sigmoid" / "checkpoints" / "last.pt"
+    deadline = time.time() + 240
+    while not last.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=240)
+    first = read_summary(tmp_path / "b" / "smoke" / "sigmoid")
+    assert first["status"] == "interrupted" and 10 <= first["steps"] < steps, first
+
+    resumed = subprocess.run(_cmd(tmp_path / "b", steps), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from" in resumed.stdout + resumed.stderr
+
+    a = torch.load(tmp_path / "a" / "smoke" / "sigmoid" / "checkpoints" / "last.pt", weights_only=False)
+    b = torch.load(last, weights_only=False)
+    assert a["step"] == b["step"] == steps
+    assert a["history"]["loss"] == b["history"]["loss"], "loss curve must match to the last bit"
+    assert a["history"]["grad_norm"] == b["history"]["grad_norm"]
+    for name, t in a["model"].items():
+        assert torch.equal(t, b["model"][name]), name
