@@ -14,10 +14,10 @@ from typing import Literal
 
 import numpy as np
 import pandas as pd
-from stabilitylab.analysis import detectors as det
-from stabilitylab.analysis.events import layer_tags, series
 
 from stabilitylab import tags
+from stabilitylab.analysis import detectors as det
+from stabilitylab.analysis.events import layer_tags, series
 
 COLUMNS = [
     "precursor",

@@ -16,9 +16,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
-from stabilitylab.analysis.events import arms, layer_tags, select  # noqa: E402
 
 from stabilitylab import tags  # noqa: E402
+from stabilitylab.analysis.events import arms, layer_tags, select  # noqa: E402
 
 _LAYER0_LOGIT = tags.layer(tags.MAX_LOGIT_LAYER, 0)
 PANELS = [

@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 
 import pandas as pd
+
 from stabilitylab.analysis import markdown, plots
 from stabilitylab.analysis.events import discover, load_found, load_summary
 from stabilitylab.analysis.stats import SUMMARY_COLUMNS, arm_row

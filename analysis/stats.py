@@ -10,6 +10,8 @@ import math
 
 import numpy as np
 import pandas as pd
+
+from stabilitylab import tags
 from stabilitylab.analysis.early_warning import (
     divergence_of,
     early_warning,
@@ -17,8 +19,6 @@ from stabilitylab.analysis.early_warning import (
     max_logit_series,
 )
 from stabilitylab.analysis.events import series
-
-from stabilitylab import tags
 
 N_INITIAL = 5
 N_FINAL = 5

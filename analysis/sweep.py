@@ -30,6 +30,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
+
+from stabilitylab import tags  # noqa: E402
 from stabilitylab.analysis import markdown  # noqa: E402
 from stabilitylab.analysis.early_warning import divergence_of  # noqa: E402
 from stabilitylab.analysis.events import (  # noqa: E402
@@ -42,13 +44,15 @@ from stabilitylab.analysis.events import (  # noqa: E402
 )
 from stabilitylab.analysis.stats import final_mean, initial_mean  # noqa: E402
 
-from stabilitylab import tags  # noqa: E402
-
 RUN_COLUMNS = [
     "run", "arm", "variant", "seed", "lr", "initial_loss", "final_loss", "diverged",
-    "divergence_step", "clipped_loss",
+    "divergence_step", "clipped_loss", "status", "steps",
 ]  # fmt: skip
-GROUP_COLUMNS = ["variant", "seed", "n_lrs", "n_diverged", "best_lr", "best_loss", "lr_sensitivity"]
+GROUP_COLUMNS = [
+    "variant", "seed", "n_lrs", "n_diverged", "n_incomplete", "best_lr", "best_loss", "lr_sensitivity",
+]  # fmt: skip
+COMPLETE = ("stable", "diverged")
+"""Statuses of a finished run; an interrupted or unfinished run's final loss is from fewer steps."""
 
 
 def variant_of(config: dict, arm: str) -> str:
@@ -104,9 +108,13 @@ def sweep_table(run_dirs: list[str | Path]) -> pd.DataFrame:
                 "diverged": diverged,
                 "divergence_step": div_step,
                 "clipped_loss": init if diverged else min(final, init),
+                "status": "diverged" if diverged else summary.get("status", "unfinished"),
+                "steps": summary.get("steps"),
             }
         )
-    out = pd.DataFrame(rows, columns=RUN_COLUMNS).astype({"divergence_step": "Int64"})
+    out = pd.DataFrame(rows, columns=RUN_COLUMNS).astype(
+        {"divergence_step": "Int64", "steps": "Int64"}
+    )
     return out.sort_values(["variant", "seed", "lr"], kind="stable").reset_index(drop=True)
 
 
@@ -132,6 +140,7 @@ def lr_sensitivity(table: pd.DataFrame) -> pd.DataFrame:
                 "seed": seed,
                 "n_lrs": int(per_lr.size),
                 "n_diverged": int(g["diverged"].sum()),
+                "n_incomplete": int((~g["status"].isin(COMPLETE)).sum()) if "status" in g else 0,
                 "best_lr": math.nan if all_diverged else float(per_lr.idxmin()),
                 "best_loss": math.nan if all_diverged else best,
                 "lr_sensitivity": score,
@@ -195,7 +204,9 @@ def write_sweep(run_dirs: list[str | Path], out_dir: str | Path | None = None) -
         "# LR sweep",
         "",
         "LR sensitivity S = mean over LRs of (min(final, initial) - best of group); diverged runs "
-        "count at their initial loss (Wortsman et al. 2023). Lower is more robust.",
+        "count at their initial loss (Wortsman et al. 2023). Lower is more robust. "
+        "`n_incomplete` counts runs that stopped early (interrupted/unfinished): their final "
+        "loss is from fewer steps, so compare those groups with care.",
         "",
         markdown.table(groups),
         "",

@@ -19,7 +19,13 @@ import time
 import torch
 
 from stabilitylab.config import stress_8k
-from stabilitylab.model import Encoder, count_parameters, flops_per_step, masked_lm_loss_sum, vocab_size_for
+from stabilitylab.model import (
+    Encoder,
+    count_parameters,
+    flops_per_step,
+    masked_lm_loss_sum,
+    vocab_size_for,
+)
 from stabilitylab.telemetry import LayerStatsMonitor, LogitMonitor, global_grad_norm
 from stabilitylab.train import make_optimizer
 
@@ -85,37 +91,51 @@ def bench_arm(cfg, backend: str, B: int, steps: int, peak_tflops: float) -> dict
     every = 50
     overhead = (t_gn - t_bare) + (t_logit - t_gn) / every + (t_layer - t_gn) / every
     flops = flops_per_step(cfg.model, n_dense, [T] * B)
-    del model, opt
-    torch.cuda.empty_cache()
     return {
-        "backend": backend, "params_M": n_params / 1e6, "B": B, "T": T,
-        "step_ms": t_bare * 1e3, "tokens_per_s": B * T / t_bare,
-        "mfu": flops / t_bare / (peak_tflops * 1e12), "peak_mem_GiB": peak_mem,
-        "logit_step_ms": t_logit * 1e3, "layer_step_ms": t_layer * 1e3,
+        "backend": backend,
+        "params_M": n_params / 1e6,
+        "B": B,
+        "T": T,
+        "step_ms": t_bare * 1e3,
+        "tokens_per_s": B * T / t_bare,
+        "mfu": flops / t_bare / (peak_tflops * 1e12),
+        "peak_mem_GiB": peak_mem,
+        "logit_step_ms": t_logit * 1e3,
+        "layer_step_ms": t_layer * 1e3,
         "telemetry_overhead_pct": 100 * overhead / t_bare,
     }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--arms", nargs="+", default=["softmax", "sigmoid-triton"])
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--context", type=int, default=8192)
-    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200: 989)")
+    ap.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200: 989)"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_model.py needs a CUDA GPU")
     cfg = stress_8k()
     cfg.data.context_len = args.context
     rows = [bench_arm(cfg, a, args.micro_batch, args.steps, args.peak_tflops) for a in args.arms]
-    print(f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-          f"triton {__import__('triton').__version__} | CUDA {torch.version.cuda}")
+    print(
+        f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+        f"triton {__import__('triton').__version__} | CUDA {torch.version.cuda}"
+    )
     keys = list(rows[0])
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
     for r in rows:
-        print("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+        print(
+            "| "
+            + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values())
+            + " |"
+        )
 
 
 if __name__ == "__main__":

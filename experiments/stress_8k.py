@@ -16,12 +16,13 @@ import sys
 import torch
 
 from stabilitylab.config import parse
+
 CPU_PRESETS = ("smoke",)
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(argv, default_preset="stress_8k")
-    if not torch.cuda.is_available() and cfg.preset not in CPU_PRESETS:
+    if not torch.cuda.is_available() and cfg.preset not in CPU_PRESETS and not cfg.allow_cpu:
         print(
             f"error: preset {cfg.preset!r} needs a CUDA GPU and none is visible. "
             "On a CPU, run the CPU-sized preset: python experiments/stress_8k.py --preset smoke",

@@ -29,11 +29,24 @@ def grid(args) -> list[tuple[str, list[str]]]:
     jobs = []
     for lr, arm, qk, seed in itertools.product(args.lr, args.arms, args.qk_ln, args.seeds):
         tag = f"lr{lr:g}_qk{int(qk == 'True')}_s{seed}"
-        jobs.append((f"{tag}/{arm}", [
-            "--preset", args.preset, "--arm", arm, f"--name={args.name}__{tag}",
-            f"--out_dir={args.out_dir}", f"--train.lr={lr}", f"--model.qk_layernorm={qk}",
-            f"--train.seed={seed}", "--report=False", *args.extra,
-        ]))
+        jobs.append(
+            (
+                f"{tag}/{arm}",
+                [
+                    "--preset",
+                    args.preset,
+                    "--arm",
+                    arm,
+                    f"--name={args.name}__{tag}",
+                    f"--out_dir={args.out_dir}",
+                    f"--train.lr={lr}",
+                    f"--model.qk_layernorm={qk}",
+                    f"--train.seed={seed}",
+                    "--report=False",
+                    *args.extra,
+                ],
+            )
+        )
     return jobs
 
 
@@ -43,18 +56,27 @@ def run_one(job, log_dir: Path) -> tuple[str, int, float]:
     log = log_dir / (label.replace("/", "__") + ".log")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
     with open(log, "w") as f:
-        rc = subprocess.call([sys.executable, str(ROOT / "experiments" / "stress_8k.py"), *argv],
-                             cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        rc = subprocess.call(
+            [sys.executable, str(ROOT / "experiments" / "stress_8k.py"), *argv],
+            cwd=ROOT,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     return label, rc, time.time() - t0
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--name", required=True)
     ap.add_argument("--preset", default="proxy")
     ap.add_argument("--out_dir", default="runs")
     ap.add_argument("--lr", type=float, nargs="+", required=True)
-    ap.add_argument("--arms", nargs="+", default=["softmax", "sigmoid"], choices=["softmax", "sigmoid"])
+    ap.add_argument(
+        "--arms", nargs="+", default=["softmax", "sigmoid"], choices=["softmax", "sigmoid"]
+    )
     ap.add_argument("--qk-ln", nargs="+", default=["False"], choices=["False", "True"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[42])
     ap.add_argument("--parallel", type=int, default=8)

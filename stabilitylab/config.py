@@ -85,7 +85,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         _check(self.context_len >= 2, "data.context_len", f"must be >= 2, got {self.context_len}")
         _check(self.n_genes >= 8, "data.n_genes", f"must be >= 8, got {self.n_genes}")
-        _check(0.0 < self.mask_prob < 1.0, "data.mask_prob", f"must be in (0, 1), got {self.mask_prob}")
+        _check(
+            0.0 < self.mask_prob < 1.0, "data.mask_prob", f"must be in (0, 1), got {self.mask_prob}"
+        )
         _check(
             0 < self.min_genes <= self.context_len,
             "data.min_genes",
@@ -140,9 +142,13 @@ class TrainConfig:
         _check(self.lr_scale > 0, "train.lr_scale", f"must be positive, got {self.lr_scale}")
         _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
-        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1/beta2", "must be in [0, 1)")
+        _check(
+            0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1/beta2", "must be in [0, 1)"
+        )
         _check(self.eps > 0, "train.eps", "must be positive")
-        _check(self.clip_grad is None or self.clip_grad > 0, "train.clip_grad", "must be > 0 or None")
+        _check(
+            self.clip_grad is None or self.clip_grad > 0, "train.clip_grad", "must be > 0 or None"
+        )
         _check(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
 
     @property
@@ -191,6 +197,8 @@ class Config:
     """auto: sigmoid-triton on CUDA, sigmoid-reference on CPU."""
     resume: bool = True
     """Continue from <run dir>/checkpoints/last.pt when it exists."""
+    allow_cpu: bool = False
+    """Run a GPU preset on a machine without CUDA anyway (slow; for checks)."""
     report: bool = True
     """Run the analysis report over the arms at the end."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -199,8 +207,16 @@ class Config:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def __post_init__(self) -> None:
-        _check(self.preset in PRESETS, "preset", f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
-        _check(bool(self.name) and "/" not in self.name, "name", f"must be a plain name, got {self.name!r}")
+        _check(
+            self.preset in PRESETS,
+            "preset",
+            f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}",
+        )
+        _check(
+            bool(self.name) and "/" not in self.name,
+            "name",
+            f"must be a plain name, got {self.name!r}",
+        )
 
     def arms(self) -> list[str]:
         return list(ARMS) if self.arm == "both" else [self.arm]
@@ -250,7 +266,11 @@ def smoke() -> Config:
             min_genes=32,
         ),
         train=TrainConfig(
-            steps=300, global_batch=16, micro_batch=16, lr=3e-3, warmup_steps=30,
+            steps=300,
+            global_batch=16,
+            micro_batch=16,
+            lr=3e-3,
+            warmup_steps=30,
             checkpoint_every=100,
         ),
         telemetry=TelemetryConfig(log_every=5, layer_every=25, logit_every=25),
@@ -258,20 +278,28 @@ def smoke() -> Config:
 
 
 def proxy() -> Config:
-    """Small fast GPU model for sweeps: minutes per run on one H200."""
+    """Small fast GPU model for sweeps: under a minute per 1,000-step run on one H200."""
     return Config(
         preset="proxy",
         name="proxy",
-        model=ModelConfig(n_layers=6, d_model=384, n_heads=6, d_ff=1536),
+        model=ModelConfig(n_layers=4, d_model=256, n_heads=4, d_ff=1024),
         data=DataConfig(
-            context_len=1024, n_genes=4096, n_cell_types=32, n_programs=96,
-            genes_per_program=160, min_genes=128,
+            context_len=512,
+            n_genes=2048,
+            n_cell_types=32,
+            n_programs=64,
+            genes_per_program=96,
+            min_genes=64,
         ),
         train=TrainConfig(
-            steps=2000, global_batch=64, micro_batch=64, lr=1e-3, warmup_steps=200,
-            checkpoint_every=1000,
+            steps=1000,
+            global_batch=32,
+            micro_batch=32,
+            lr=1e-3,
+            warmup_steps=100,
+            checkpoint_every=500,
         ),
-        telemetry=TelemetryConfig(log_every=10, layer_every=50, logit_every=50),
+        telemetry=TelemetryConfig(log_every=5, layer_every=25, logit_every=25),
     )
 
 
@@ -287,12 +315,17 @@ def parse(argv: list[str] | None = None, default_preset: str = "stress_8k") -> C
     pre.add_argument("--preset", default=default_preset)
     known, rest = pre.parse_known_args(argv)
     if known.preset not in PRESETS:
-        raise ConfigError(f"config preset: unknown preset {known.preset!r}; choose one of {sorted(PRESETS)}")
+        raise ConfigError(
+            f"config preset: unknown preset {known.preset!r}; choose one of {sorted(PRESETS)}"
+        )
     base = PRESETS[known.preset]()
     try:
         # Booleans take a value like every other key (--model.qk_layernorm=True), not flag pairs.
         return tyro.cli(
-            Config, default=base, args=rest, description=__doc__,
+            Config,
+            default=base,
+            args=rest,
+            description=__doc__,
             config=(tyro.conf.FlagConversionOff,),
         )
     except ConfigError as e:

@@ -43,8 +43,12 @@ class SelfAttention(nn.Module):
             q_BHTD, k_BHTD = self.q_norm(q_BHTD), self.k_norm(k_BHTD)
             v_BHTD = v_BHTD.to(q_BHTD.dtype)
         out_BHTD, max_logit_BH = self.backend(
-            q_BHTD, k_BHTD, v_BHTD, lengths_B,
-            sigmoid_bias=self.sigmoid_bias, return_max_logit=self.record_max_logit,
+            q_BHTD,
+            k_BHTD,
+            v_BHTD,
+            lengths_B,
+            sigmoid_bias=self.sigmoid_bias,
+            return_max_logit=self.record_max_logit,
         )
         self.max_logit_BH = max_logit_BH
         return self.proj(out_BHTD.transpose(1, 2).reshape(B, T, C))

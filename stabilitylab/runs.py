@@ -1,11 +1,11 @@
 """Run directories: layout, resolved config, provenance and the final summary.
 
-    <out_dir>/<name>/<arm>/
-        config.json        resolved config (+ arm and backend)
-        provenance.json    git commit / dirty flag, torch / triton / CUDA / GPU, host, command
-        events.out.tfevents.*   TensorBoard scalars (written live)
-        checkpoints/       last.pt, forensic_step<N>.pt on divergence
-        summary.json       written at the end of every run, also a diverged or interrupted one
+<out_dir>/<name>/<arm>/
+    config.json        resolved config (+ arm and backend)
+    provenance.json    git commit / dirty flag, torch / triton / CUDA / GPU, host, command
+    events.out.tfevents.*   TensorBoard scalars (written live)
+    checkpoints/       last.pt, forensic_step<N>.pt on divergence
+    summary.json       written at the end of every run, also a diverged or interrupted one
 """
 
 from __future__ import annotations

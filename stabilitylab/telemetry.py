@@ -84,9 +84,7 @@ class LayerStatsMonitor:
 
     def before_step(self, model: nn.Module) -> None:
         groups = layer_param_groups(model)
-        self._grad_norms = _group_norms(
-            [[p.grad for p in g if p.grad is not None] for g in groups]
-        )
+        self._grad_norms = _group_norms([[p.grad for p in g if p.grad is not None] for g in groups])
         self._snapshot = [[p.detach().clone() for p in g] for g in groups]
 
     def after_step(self, model: nn.Module) -> torch.Tensor:

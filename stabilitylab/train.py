@@ -52,7 +52,9 @@ def make_accelerator(cfg: Config):
     if precision == "auto":
         precision = "bf16" if cuda else "fp32"
     return Accelerator(
-        cpu=not cuda, mixed_precision="bf16" if precision == "bf16" else "no", step_scheduler_with_optimizer=False
+        cpu=not cuda,
+        mixed_precision="bf16" if precision == "bf16" else "no",
+        step_scheduler_with_optimizer=False,
     )
 
 
@@ -92,8 +94,13 @@ def make_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     t = cfg.train
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr_at(cfg, 0), betas=(t.beta1, t.beta2), eps=t.eps,
+        [
+            {"params": decay, "weight_decay": t.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=lr_at(cfg, 0),
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
     )
 
 
@@ -144,7 +151,9 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(path: Path, accelerator, model, optimizer, step: int, hist: History, extra=None):
+def save_checkpoint(
+    path: Path, accelerator, model, optimizer, step: int, hist: History, extra=None
+):
     """Model/optimizer from the main process; each rank's RNG state beside it."""
     rank = accelerator.process_index
     rng_path = path.with_name(f"{path.stem}.rng{rank}.pt")
@@ -181,7 +190,10 @@ def _check_online(hist: History):
     from stabilitylab.analysis.detectors import diverged
 
     return diverged(
-        np.asarray(hist.steps), np.asarray(hist.loss), np.asarray(hist.steps), np.asarray(hist.grad_norm)
+        np.asarray(hist.steps),
+        np.asarray(hist.loss),
+        np.asarray(hist.steps),
+        np.asarray(hist.grad_norm),
     )
 
 
@@ -228,7 +240,9 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
         from stabilitylab.probes.live import JacobianProbe
 
         t = cfg.telemetry
-        probe = JacobianProbe(t.probe_every, t.probe_samples, t.probe_tokens, t.probe_iters, seed=cfg.train.seed)
+        probe = JacobianProbe(
+            t.probe_every, t.probe_samples, t.probe_tokens, t.probe_iters, seed=cfg.train.seed
+        )
     peak = cfg.train.peak_tflops
     if peak is None and cuda:
         name = torch.cuda.get_device_name()
@@ -242,7 +256,9 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
     if main:
         from tqdm.auto import tqdm
 
-        pbar = tqdm(total=cfg.train.steps, initial=start, desc=arm, dynamic_ncols=True, mininterval=2.0)
+        pbar = tqdm(
+            total=cfg.train.steps, initial=start, desc=arm, dynamic_ncols=True, mininterval=2.0
+        )
 
     with Stopper() as stopper:
         while step < cfg.train.steps:
@@ -251,14 +267,18 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
             base = step * cfg.train.global_batch + rank * per_rank
             micro = [
                 make_batch(
-                    source, range(base + i * cfg.train.micro_batch, base + (i + 1) * cfg.train.micro_batch),
-                    context_len=cfg.data.context_len, mask_prob=cfg.data.mask_prob, seed=cfg.train.seed,
+                    source,
+                    range(base + i * cfg.train.micro_batch, base + (i + 1) * cfg.train.micro_batch),
+                    context_len=cfg.data.context_len,
+                    mask_prob=cfg.data.mask_prob,
+                    seed=cfg.train.seed,
                 ).to(accelerator.device)
                 for i in range(accum)
             ]
             counts = torch.tensor(
                 [sum(b.n_masked for b in micro), sum(int(b.lengths_B.sum()) for b in micro)],
-                dtype=torch.float64, device=accelerator.device,
+                dtype=torch.float64,
+                device=accelerator.device,
             )
             n_masked, n_tokens = accelerator.reduce(counts, reduction="sum").tolist()
             for g in optimizer.param_groups:
@@ -290,15 +310,32 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
                 hist.nonfinite_steps.append(step)
                 if div is None:
                     status = "diverged"
-                    bad = first_nonfinite_module(raw, lambda: raw(micro[0].tokens_BT, micro[0].lengths_B))
-                    div = {"step": step, "reason": f"non-finite {'loss' if not math.isfinite(loss_f) else 'gradient'}",
-                           "module": bad or ("backward" if math.isfinite(loss_f) else None)}
-                    save_checkpoint(d / "checkpoints" / f"forensic_step{step}.pt", accelerator, model, optimizer,
-                                    step, hist, {"batch_indices": [base, per_rank], "divergence": div})
+                    bad = first_nonfinite_module(
+                        raw, lambda b=micro[0]: raw(b.tokens_BT, b.lengths_B)
+                    )
+                    div = {
+                        "step": step,
+                        "reason": f"non-finite {'loss' if not math.isfinite(loss_f) else 'gradient'}",
+                        "module": bad or ("backward" if math.isfinite(loss_f) else None),
+                    }
+                    save_checkpoint(
+                        d / "checkpoints" / f"forensic_step{step}.pt",
+                        accelerator,
+                        model,
+                        optimizer,
+                        step,
+                        hist,
+                        {"batch_indices": [base, per_rank], "divergence": div},
+                    )
                     if main:
-                        accelerator.print(f"[{arm}] step {step}: {div['reason']} (first module: {div['module']})")
+                        accelerator.print(
+                            f"[{arm}] step {step}: {div['reason']} (first module: {div['module']})"
+                        )
                         writer.scalars({tags.NONFINITE: 1.0}, step)
-                if cfg.train.on_divergence == "stop" or consecutive_nonfinite >= MAX_CONSECUTIVE_NONFINITE:
+                if (
+                    cfg.train.on_divergence == "stop"
+                    or consecutive_nonfinite >= MAX_CONSECUTIVE_NONFINITE
+                ):
                     hist.steps.append(step)
                     hist.loss.append(loss_f)
                     hist.grad_norm.append(gn_f)
@@ -322,8 +359,15 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
             dt = time.perf_counter() - t0
             scalars = {}
             if cfg.telemetry.log_every and step % cfg.telemetry.log_every == 0:
-                scalars.update({tags.LOSS: loss_f, tags.LR: lr_at(cfg, step), tags.GRAD_NORM: gn_f,
-                                tags.STEP_TIME: dt, tags.TOKENS_PER_S: n_tokens / dt})
+                scalars.update(
+                    {
+                        tags.LOSS: loss_f,
+                        tags.LR: lr_at(cfg, step),
+                        tags.GRAD_NORM: gn_f,
+                        tags.STEP_TIME: dt,
+                        tags.TOKENS_PER_S: n_tokens / dt,
+                    }
+                )
                 if peak:
                     lengths = [int(x) for b in micro for x in b.lengths_B.tolist()]
                     flops = flops_per_step(cfg.model, n_dense, lengths) * world
@@ -341,13 +385,29 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
                 scalars.update({tags.layer(tags.JACOBIAN_LAYER, i): s for i, s in sigmas.items()})
             writer.scalars(scalars, step)
 
-            if finite and div is None and cfg.telemetry.log_every and step % cfg.telemetry.log_every == 0:
+            if (
+                finite
+                and div is None
+                and cfg.telemetry.log_every
+                and step % cfg.telemetry.log_every == 0
+            ):
                 det = _check_online(hist)
                 if det is not None:
                     status = "diverged"
-                    div = {"step": int(det.step), "reason": f"{det.detector}: {det.detail}", "module": None}
-                    save_checkpoint(d / "checkpoints" / f"forensic_step{step}.pt", accelerator, model, optimizer,
-                                    step + 1, hist, {"divergence": div})
+                    div = {
+                        "step": int(det.step),
+                        "reason": f"{det.detector}: {det.detail}",
+                        "module": None,
+                    }
+                    save_checkpoint(
+                        d / "checkpoints" / f"forensic_step{step}.pt",
+                        accelerator,
+                        model,
+                        optimizer,
+                        step + 1,
+                        hist,
+                        {"divergence": div},
+                    )
                     if main:
                         accelerator.print(f"[{arm}] diverged at step {det.step}: {div['reason']}")
                     if cfg.train.on_divergence == "stop":
@@ -357,7 +417,9 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
             if pbar is not None:
                 pbar.update(1)
                 if step % 10 == 0:
-                    pbar.set_postfix(loss=f"{loss_f:.3f}", gn=f"{gn_f:.2g}", tok_s=f"{n_tokens / dt:.3g}")
+                    pbar.set_postfix(
+                        loss=f"{loss_f:.3f}", gn=f"{gn_f:.2g}", tok_s=f"{n_tokens / dt:.3g}"
+                    )
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
                 save_checkpoint(last, accelerator, model, optimizer, step, hist)
             if stopper.requested:
@@ -374,17 +436,22 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
     finite_gn = [g for g in hist.grad_norm if math.isfinite(g)]
     finite_loss = [x for x in hist.loss if math.isfinite(x)]
     summary = {
-        "arm": arm, "backend": backend, "status": status,
+        "arm": arm,
+        "backend": backend,
+        "status": status,
         "divergence_step": None if div is None else div["step"],
         "divergence_reason": None if div is None else div["reason"],
         "first_nonfinite_module": None if div is None else div["module"],
         "nonfinite_steps": len(hist.nonfinite_steps),
         "max_grad_norm": max(finite_gn) if finite_gn else None,
         "max_logit": hist.max_logit if cfg.telemetry.logit_every else None,
-        "steps": step, "wall_time_s": time.time() - t0_run,
+        "steps": step,
+        "wall_time_s": time.time() - t0_run,
         "initial_loss": hist.loss[0] if hist.loss else None,
         "final_loss": finite_loss[-1] if finite_loss else None,
-        "params": n_params, "init_hash": init_hash, "peak_lr": cfg.train.peak_lr,
+        "params": n_params,
+        "init_hash": init_hash,
+        "peak_lr": cfg.train.peak_lr,
         "interrupted_by_signal": stopped_by_signal,
     }
     if main:
@@ -424,7 +491,16 @@ def run(cfg: Config) -> dict[str, dict]:
 
 
 def print_summaries(summaries: dict[str, dict]) -> None:
-    cols = ["status", "divergence_step", "steps", "initial_loss", "final_loss", "max_grad_norm", "max_logit", "wall_time_s"]
+    cols = [
+        "status",
+        "divergence_step",
+        "steps",
+        "initial_loss",
+        "final_loss",
+        "max_grad_norm",
+        "max_logit",
+        "wall_time_s",
+    ]
     print("\narm      " + " ".join(f"{c:>15}" for c in cols))
     for arm, s in summaries.items():
         cells = []

@@ -13,6 +13,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from torch.utils.tensorboard import SummaryWriter
+
+from stabilitylab import tags
 from stabilitylab.analysis import detectors as det
 from stabilitylab.analysis.early_warning import early_warning, first_warning
 from stabilitylab.analysis.events import (
@@ -25,9 +28,6 @@ from stabilitylab.analysis.events import (
     select,
 )
 from stabilitylab.analysis.sweep import lr_sensitivity, sweep_table
-from torch.utils.tensorboard import SummaryWriter
-
-from stabilitylab import tags
 
 REPO = Path(__file__).resolve().parent.parent
 EVERY = 10  # logging cadence (steps) of the synthetic curves

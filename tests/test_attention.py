@@ -23,7 +23,11 @@ def sigmoid_reference_f64(q, k, v, lengths, bias=None):
     q, k, v = q.double(), k.double(), v.double()
     T, D = q.shape[2], q.shape[3]
     valid = key_mask_BT(lengths, T)
-    b = -torch.log(lengths.double()) if bias is None else torch.full(lengths.shape, bias, dtype=torch.float64)
+    b = (
+        -torch.log(lengths.double())
+        if bias is None
+        else torch.full(lengths.shape, bias, dtype=torch.float64)
+    )
     p = torch.sigmoid(q @ k.transpose(-1, -2) / math.sqrt(D) + b[:, None, None, None])
     out = (p * valid[:, None, None, :]) @ v
     return out * valid[:, None, :, None]
@@ -46,7 +50,9 @@ def test_backend_matches_float64_reference_with_padding(name, bias):
     assert out.shape == q.shape
     torch.testing.assert_close(out.double(), expected, atol=2e-4, rtol=2e-4, msg=f"seed {seed}")
     valid = key_mask_BT(lengths, q.shape[2])
-    assert (out[~valid[:, None, :, None].expand_as(out)] == 0).all(), "padded query rows must be zero"
+    assert (out[~valid[:, None, :, None].expand_as(out)] == 0).all(), (
+        "padded query rows must be zero"
+    )
     s = (q.double() @ k.double().transpose(-1, -2) / 8.0).abs()
     pair = valid[:, None, :, None] & valid[:, None, None, :]
     exact = s.masked_fill(~pair, 0).amax(dim=(-1, -2))

@@ -30,8 +30,19 @@ def test_stress_8k_matches_the_paper():
 
 
 def test_overrides_are_typed():
-    cfg = C.parse(["--preset", "smoke", "--train.lr=3e-3", "--model.qk-layernorm", "True",
-                   "--model.sigmoid-bias", "-2.5", "--arm", "softmax"])
+    cfg = C.parse(
+        [
+            "--preset",
+            "smoke",
+            "--train.lr=3e-3",
+            "--model.qk-layernorm",
+            "True",
+            "--model.sigmoid-bias",
+            "-2.5",
+            "--arm",
+            "softmax",
+        ]
+    )
     assert cfg.train.lr == 3e-3 and isinstance(cfg.train.lr, float)
     assert cfg.model.qk_layernorm is True and cfg.model.sigmoid_bias == -2.5
     assert cfg.arms() == ["softmax"]
@@ -51,9 +62,18 @@ def test_overrides_are_typed():
 )
 def test_bad_overrides_fail_naming_the_key(args, key):
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from stabilitylab.config import parse; parse(sys.argv[1:])",
-         "--preset", "smoke", *args],
-        capture_output=True, text=True, cwd=ROOT, timeout=60,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from stabilitylab.config import parse; parse(sys.argv[1:])",
+            "--preset",
+            "smoke",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
     )
     assert proc.returncode != 0
     err = proc.stderr.replace("-", "_")
@@ -71,7 +91,11 @@ def test_stress_script_refuses_without_cuda_and_names_cpu_preset():
     if torch.cuda.is_available():
         pytest.skip("machine has CUDA")
     proc = subprocess.run(
-        [sys.executable, "experiments/stress_8k.py"], capture_output=True, text=True, cwd=ROOT, timeout=60
+        [sys.executable, "experiments/stress_8k.py"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
     )
     assert proc.returncode == 2
     assert "--preset smoke" in proc.stderr and "CUDA" in proc.stderr

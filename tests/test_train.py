@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from stabilitylab import config as C
@@ -20,7 +19,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def smoke(tmp_path, *overrides):
-    return C.parse(["--preset", "smoke", f"--out_dir={tmp_path}", "--report=False", *overrides])
+    # The live probe runs extra forward passes; the fault-injection tests count forward calls.
+    return C.parse(
+        [
+            "--preset",
+            "smoke",
+            f"--out_dir={tmp_path}",
+            "--report=False",
+            "--telemetry.probe_every=0",
+            *overrides,
+        ]
+    )
 
 
 def read_summary(d: Path) -> dict:
@@ -28,7 +37,13 @@ def read_summary(d: Path) -> dict:
 
 
 def test_paired_smoke_run_writes_everything(tmp_path):
-    cfg = smoke(tmp_path, "--train.steps=30", "--telemetry.logit_every=10", "--telemetry.layer_every=10")
+    cfg = smoke(
+        tmp_path,
+        "--train.steps=30",
+        "--telemetry.logit_every=10",
+        "--telemetry.layer_every=10",
+        "--report=True",
+    )
     out = run(cfg)
     assert set(out) == {"softmax", "sigmoid"}
     hashes = set()
@@ -39,12 +54,54 @@ def test_paired_smoke_run_writes_everything(tmp_path):
         assert math.isfinite(s["final_loss"]) and s["max_logit"] > 0 and s["max_grad_norm"] > 0
         hashes.add(s["init_hash"])
         conf = json.loads((d / "config.json").read_text())
-        assert conf["arm"] == arm and conf["backend"] == ("softmax" if arm == "softmax" else "sigmoid-reference")
+        assert conf["arm"] == arm and conf["backend"] == (
+            "softmax" if arm == "softmax" else "sigmoid-reference"
+        )
         prov = json.loads((d / "provenance.json").read_text())
         assert prov["torch"] == torch.__version__ and "git_commit" in prov and "git_dirty" in prov
         assert list(d.glob("events.out.tfevents.*"))
         assert (d / "checkpoints" / "last.pt").exists()
     assert len(hashes) == 1, "both arms must start from identical weights"
+    report = tmp_path / "smoke" / "report"
+    for name in ("report.md", "summary.csv", "scalars.csv", "figure.png", "heatmap.png"):
+        assert (report / name).stat().st_size > 0, name
+    assert "softmax" in (report / "report.md").read_text()
+
+
+def _history(tmp_path, *overrides):
+    run(smoke(tmp_path, "--arm=sigmoid", "--train.steps=25", "--model.dropout=0.1", *overrides))
+    return torch.load(
+        tmp_path / "smoke" / "sigmoid" / "checkpoints" / "last.pt", weights_only=False
+    )
+
+
+def test_live_probe_does_not_change_the_trajectory(tmp_path):
+    off = _history(tmp_path / "off")
+    on = _history(tmp_path / "on", "--telemetry.probe_every=5", "--telemetry.probe_tokens=64")
+    assert on["history"]["loss"] == off["history"]["loss"]
+    for name, t in off["model"].items():
+        assert torch.equal(t, on["model"][name]), name
+    from stabilitylab.analysis.events import load_runs
+
+    df = load_runs([tmp_path / "on" / "smoke" / "sigmoid"])
+    probe = df[df.tag == tags.layer(tags.JACOBIAN_LAYER, 0)]
+    assert sorted(probe.step) == [0, 5, 10, 15, 20] and (probe.value > 0).all()
+
+
+GOLDEN = ROOT / "tests" / "golden" / "smoke_softmax_loss.json"
+
+
+def test_smoke_loss_curve_matches_the_committed_golden_curve(tmp_path):
+    """A short CPU run reproduces the committed curve (regenerate deliberately when the model,
+    data or optimizer change: python tests/golden/make_golden.py)."""
+    golden = json.loads(GOLDEN.read_text())
+    run(smoke(tmp_path, "--arm=softmax", f"--train.steps={len(golden['loss'])}"))
+    loss = torch.load(
+        tmp_path / "smoke" / "softmax" / "checkpoints" / "last.pt", weights_only=False
+    )["history"]["loss"]
+    torch.testing.assert_close(
+        torch.tensor(loss), torch.tensor(golden["loss"]), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_nonfinite_is_recorded_with_module_and_forensic_checkpoint(tmp_path, monkeypatch):
@@ -73,7 +130,9 @@ def test_nonfinite_is_recorded_with_module_and_forensic_checkpoint(tmp_path, mon
     assert (d / "checkpoints" / "last.pt").exists()
     assert read_summary(d)["status"] == "diverged"
     forensic = torch.load(d / "checkpoints" / "forensic_step7.pt", weights_only=False)
-    assert all(torch.isfinite(p).all() for p in forensic["model"].values()), "weights before the bad update"
+    assert all(torch.isfinite(p).all() for p in forensic["model"].values()), (
+        "weights before the bad update"
+    )
 
     from stabilitylab.analysis.events import load_runs
 
@@ -105,18 +164,37 @@ def test_continue_policy_runs_through_nonfinite_steps(tmp_path, monkeypatch):
 
 
 def _cmd(out_dir, steps):
-    return [sys.executable, "experiments/stress_8k.py", "--preset", "smoke", "--arm", "sigmoid",
-            f"--out_dir={out_dir}", "--report=False", f"--train.steps={steps}", "--model.dropout=0.1",
-            "--train.checkpoint_every=10", "--telemetry.logit_every=7"]
+    return [
+        sys.executable,
+        "experiments/stress_8k.py",
+        "--preset",
+        "smoke",
+        "--arm",
+        "sigmoid",
+        f"--out_dir={out_dir}",
+        "--report=False",
+        f"--train.steps={steps}",
+        "--model.dropout=0.1",
+        "--train.checkpoint_every=10",
+        "--telemetry.logit_every=7",
+    ]
 
 
 def test_sigterm_then_resume_is_bitwise_identical(tmp_path):
     steps = 60
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    straight = subprocess.run(_cmd(tmp_path / "a", steps), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    straight = subprocess.run(
+        _cmd(tmp_path / "a", steps), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert straight.returncode == 0, straight.stderr[-2000:]
 
-    proc = subprocess.Popen(_cmd(tmp_path / "b", steps), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        _cmd(tmp_path / "b", steps),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     last = tmp_path / "b" / "smoke" / "sigmoid" / "checkpoints" / "last.pt"
     deadline = time.time() + 240
     while not last.exists() and proc.poll() is None and time.time() < deadline:
@@ -126,11 +204,15 @@ def test_sigterm_then_resume_is_bitwise_identical(tmp_path):
     first = read_summary(tmp_path / "b" / "smoke" / "sigmoid")
     assert first["status"] == "interrupted" and 10 <= first["steps"] < steps, first
 
-    resumed = subprocess.run(_cmd(tmp_path / "b", steps), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        _cmd(tmp_path / "b", steps), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"resumed from" in resumed.stdout + resumed.stderr
+    assert "resumed from" in resumed.stdout + resumed.stderr
 
-    a = torch.load(tmp_path / "a" / "smoke" / "sigmoid" / "checkpoints" / "last.pt", weights_only=False)
+    a = torch.load(
+        tmp_path / "a" / "smoke" / "sigmoid" / "checkpoints" / "last.pt", weights_only=False
+    )
     b = torch.load(last, weights_only=False)
     assert a["step"] == b["step"] == steps
     assert a["history"]["loss"] == b["history"]["loss"], "loss curve must match to the last bit"
