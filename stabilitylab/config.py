@@ -303,7 +303,19 @@ def proxy() -> Config:
     )
 
 
-PRESETS = {"stress_8k": stress_8k, "smoke": smoke, "proxy": proxy}
+def proxy_hot() -> Config:
+    """The proxy pushed hard: lr 0.3, no warmup, init x3 (docs/RESULTS.md, "divergence hunt").
+
+    Measured on one H200 (--train.seed=1, sigmoid-reference, 1,000 steps): the *sigmoid* arm's loss went from ~8 to 100-450
+    after step ~470 with a ~300x grad-norm jump; the softmax arm stayed near 7.3.
+    """
+    cfg = proxy()
+    cfg.preset, cfg.name = "proxy_hot", "proxy_hot"
+    cfg.train.lr, cfg.train.warmup_steps, cfg.model.init_scale = 0.3, 0, 3.0
+    return cfg
+
+
+PRESETS = {"stress_8k": stress_8k, "smoke": smoke, "proxy": proxy, "proxy_hot": proxy_hot}
 
 
 def parse(argv: list[str] | None = None, default_preset: str = "stress_8k") -> Config:

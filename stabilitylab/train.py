@@ -479,6 +479,7 @@ def run(cfg: Config) -> dict[str, dict]:
             break
     if accelerator.is_main_process:
         print_summaries(summaries)
+        print(f"tensorboard logs: {Path(cfg.out_dir) / cfg.name}  (tensorboard --logdir {Path(cfg.out_dir) / cfg.name})")
         if cfg.report:
             from stabilitylab.analysis.report import write_report
 

@@ -104,23 +104,27 @@ def test_smoke_loss_curve_matches_the_committed_golden_curve(tmp_path):
     )
 
 
-def test_nonfinite_is_recorded_with_module_and_forensic_checkpoint(tmp_path, monkeypatch):
+def inject_fault(monkeypatch, module: str, value: float, bad_calls) -> None:
+    """Make ``model.<module>``'s output ``* value`` on the forward calls for which
+    ``bad_calls(n)`` holds (n counts that module's calls from 1)."""
     import stabilitylab.train as T
 
-    build = T.build_model
-    calls = {"n": 0}
+    build, calls = T.build_model, {"n": 0}
+
+    def poison(_mod, _inp, out):
+        calls["n"] += 1
+        return out * value if bad_calls(calls["n"]) else out
 
     def build_with_fault(cfg, backend, vocab):
         model = build(cfg, backend, vocab)
-
-        def poison(_mod, _inp, out):
-            calls["n"] += 1
-            return out * float("inf") if calls["n"] > 7 else out
-
-        model.blocks[1].attn.register_forward_hook(poison)
+        model.get_submodule(module).register_forward_hook(poison)
         return model
 
     monkeypatch.setattr(T, "build_model", build_with_fault)
+
+
+def test_nonfinite_is_recorded_with_module_and_forensic_checkpoint(tmp_path, monkeypatch):
+    inject_fault(monkeypatch, "blocks.1.attn", float("inf"), lambda n: n > 7)
     cfg = smoke(tmp_path, "--arm=softmax", "--train.steps=20", "--train.checkpoint_every=2")
     s = run(cfg)["softmax"]
     d = tmp_path / "smoke" / "softmax"
@@ -141,22 +145,7 @@ def test_nonfinite_is_recorded_with_module_and_forensic_checkpoint(tmp_path, mon
 
 
 def test_continue_policy_runs_through_nonfinite_steps(tmp_path, monkeypatch):
-    import stabilitylab.train as T
-
-    build = T.build_model
-    calls = {"n": 0}
-
-    def build_with_fault(cfg, backend, vocab):
-        model = build(cfg, backend, vocab)
-
-        def poison(_mod, _inp, out):
-            calls["n"] += 1
-            return out * float("nan") if calls["n"] in (4, 5) else out
-
-        model.blocks[0].ff.register_forward_hook(poison)
-        return model
-
-    monkeypatch.setattr(T, "build_model", build_with_fault)
+    inject_fault(monkeypatch, "blocks.0.ff", float("nan"), lambda n: n in (4, 5))
     cfg = smoke(tmp_path, "--arm=sigmoid", "--train.steps=12", "--train.on_divergence=continue")
     s = run(cfg)["sigmoid"]
     assert s["status"] == "diverged" and s["divergence_step"] == 3 and s["steps"] == 12
