@@ -52,6 +52,7 @@ def bench_arm(cfg, backend: str, B: int, steps: int, peak_tflops: float) -> dict
     logit_mon, layer_mon = LogitMonitor(1), LayerStatsMonitor(1)
 
     def step(record_logits=False, layer_stats=False, grad_norm=True):
+        """One optimizer step as the trainer takes it (train.train_arm), telemetry chosen."""
         if record_logits:
             logit_mon.attach(model)
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -60,34 +61,46 @@ def bench_arm(cfg, backend: str, B: int, steps: int, peak_tflops: float) -> dict
         loss.backward()
         if record_logits:
             logit_mon.collect(model)
-            logit_mon.detach(model).tolist()
         if grad_norm:
-            global_grad_norm(params).item()
+            loss_gn = torch.stack([loss.detach().float(), global_grad_norm(params)])
+            opt.found_inf = (~torch.isfinite(loss_gn).all()).float()
+        else:
+            opt.found_inf = None
         if layer_stats:
             layer_mon.before_step(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if grad_norm:
+            loss_gn.tolist()  # the trainer's one host read per step, after the update is queued
+        if record_logits:
+            logit_mon.detach(model).tolist()
         if layer_stats:
             layer_mon.after_step(model).tolist()
 
-    def timed(n, **kw):
-        times = []
-        for _ in range(n):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step(**kw)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+    def timed_once(**kw) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(**kw)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
     for _ in range(3):
         step(record_logits=True, layer_stats=True)
     torch.cuda.reset_peak_memory_stats()
-    t_bare = timed(steps, grad_norm=False)
-    peak_mem = torch.cuda.max_memory_allocated() / 2**30
-    t_gn = timed(steps)
-    t_logit = timed(max(3, steps // 2), record_logits=True)
-    t_layer = timed(max(3, steps // 2), layer_stats=True)
+    timed_once(grad_norm=False)
+    peak_mem = torch.cuda.max_memory_allocated() / 2**30  # a plain training step
+    # Interleaved, so drift (clocks, allocator, other tenants) hits every variant alike.
+    kinds = {
+        "bare": {"grad_norm": False},
+        "gn": {},
+        "logit": {"record_logits": True},
+        "layer": {"layer_stats": True},
+    }
+    times = {k: [] for k in kinds}
+    for _ in range(steps):
+        for k, kw in kinds.items():
+            times[k].append(timed_once(**kw))
+    t_bare, t_gn, t_logit, t_layer = (statistics.median(times[k]) for k in kinds)
     every = 50
     overhead = (t_gn - t_bare) + (t_logit - t_gn) / every + (t_layer - t_gn) / every
     flops = flops_per_step(cfg.model, n_dense, [T] * B)

@@ -93,6 +93,8 @@ def make_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     t = cfg.train
+    # fused: one kernel per step, and it honours ``found_inf`` (the update is skipped on the
+    # device when a gradient is not finite; see train_arm).
     return torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": t.weight_decay},
@@ -101,6 +103,7 @@ def make_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer
         lr=lr_at(cfg, 0),
         betas=(t.beta1, t.beta2),
         eps=t.eps,
+        fused=True,
     )
 
 
@@ -224,6 +227,7 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     raw = accelerator.unwrap_model(model)
     params = list(raw.parameters())
+    inner_opt = getattr(optimizer, "optimizer", optimizer)  # under accelerate's wrapper
 
     start, hist = 0, History()
     last = d / "checkpoints" / "last.pt"
@@ -302,10 +306,24 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
 
             gn = global_grad_norm(params)
             loss = accelerator.reduce(loss_sum, reduction="sum") / n_masked
-            loss_f, gn_f = torch.stack([loss.float(), gn.float().to(loss.device)]).tolist()
+            loss_gn = torch.stack([loss.float(), gn.float().to(loss.device)])
+            # The update is skipped on the device when the loss or a gradient is not finite
+            # (AdamW's found_inf, as GradScaler uses it), so the host reads the numbers once, after
+            # the update is queued, instead of stalling the queue before it.
+            inner_opt.found_inf = (~torch.isfinite(loss_gn).all()).float().to(gn.device)
+            if cfg.train.clip_grad is not None:
+                torch.nn.utils.clip_grad_norm_(params, cfg.train.clip_grad)
+            measure_layers = layer_mon.due(step)
+            if measure_layers:
+                layer_mon.before_step(raw)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_f, gn_f = loss_gn.tolist()
             finite = math.isfinite(loss_f) and math.isfinite(gn_f)
-
-            if not finite:
+            if finite:
+                consecutive_nonfinite = 0
+                layer_stats = layer_mon.after_step(raw) if measure_layers else None
+            else:  # the weights and optimizer state are those before this step
                 consecutive_nonfinite += 1
                 hist.nonfinite_steps.append(step)
                 if div is None:
@@ -341,17 +359,6 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
                     hist.grad_norm.append(gn_f)
                     step += 1
                     break
-                optimizer.zero_grad(set_to_none=True)  # an update with NaN would end the run anyway
-            else:
-                consecutive_nonfinite = 0
-                if cfg.train.clip_grad is not None:
-                    torch.nn.utils.clip_grad_norm_(params, cfg.train.clip_grad)
-                measure_layers = layer_mon.due(step)
-                if measure_layers:
-                    layer_mon.before_step(raw)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                layer_stats = layer_mon.after_step(raw) if measure_layers else None
 
             hist.steps.append(step)
             hist.loss.append(loss_f)
@@ -479,7 +486,9 @@ def run(cfg: Config) -> dict[str, dict]:
             break
     if accelerator.is_main_process:
         print_summaries(summaries)
-        print(f"tensorboard logs: {Path(cfg.out_dir) / cfg.name}  (tensorboard --logdir {Path(cfg.out_dir) / cfg.name})")
+        print(
+            f"tensorboard logs: {Path(cfg.out_dir) / cfg.name}  (tensorboard --logdir {Path(cfg.out_dir) / cfg.name})"
+        )
         if cfg.report:
             from stabilitylab.analysis.report import write_report
 
