@@ -269,22 +269,29 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
             t0 = time.perf_counter()
             layer_stats = None
             base = step * cfg.train.global_batch + rank * per_rank
-            micro = [
+            micro_cpu = [
                 make_batch(
                     source,
                     range(base + i * cfg.train.micro_batch, base + (i + 1) * cfg.train.micro_batch),
                     context_len=cfg.data.context_len,
                     mask_prob=cfg.data.mask_prob,
                     seed=cfg.train.seed,
-                ).to(accelerator.device)
+                )
                 for i in range(accum)
             ]
+            # Masked-token and valid-token counts of the whole global batch stay on the device:
+            # the loss scale needs them, the host only reads them with the step's other numbers.
             counts = torch.tensor(
-                [sum(b.n_masked for b in micro), sum(int(b.lengths_B.sum()) for b in micro)],
-                dtype=torch.float64,
-                device=accelerator.device,
-            )
-            n_masked, n_tokens = accelerator.reduce(counts, reduction="sum").tolist()
+                [
+                    sum(b.n_masked for b in micro_cpu),
+                    sum(int(b.lengths_B.sum()) for b in micro_cpu),
+                ],
+                dtype=torch.float32,
+            ).to(accelerator.device)
+            if world > 1:
+                counts = accelerator.reduce(counts, reduction="sum")
+            n_masked = counts[0]
+            micro = [b.to(accelerator.device) for b in micro_cpu]
             for g in optimizer.param_groups:
                 g["lr"] = lr_at(cfg, step)
 
@@ -306,11 +313,11 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
 
             gn = global_grad_norm(params)
             loss = accelerator.reduce(loss_sum, reduction="sum") / n_masked
-            loss_gn = torch.stack([loss.float(), gn.float().to(loss.device)])
+            loss_gn = torch.stack([loss.float(), gn.float().to(loss.device), counts[1]])
             # The update is skipped on the device when the loss or a gradient is not finite
             # (AdamW's found_inf, as GradScaler uses it), so the host reads the numbers once, after
             # the update is queued, instead of stalling the queue before it.
-            inner_opt.found_inf = (~torch.isfinite(loss_gn).all()).float().to(gn.device)
+            inner_opt.found_inf = (~torch.isfinite(loss_gn[:2]).all()).float().to(gn.device)
             if cfg.train.clip_grad is not None:
                 torch.nn.utils.clip_grad_norm_(params, cfg.train.clip_grad)
             measure_layers = layer_mon.due(step)
@@ -318,7 +325,7 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
                 layer_mon.before_step(raw)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            loss_f, gn_f = loss_gn.tolist()
+            loss_f, gn_f, n_tokens = loss_gn.tolist()
             finite = math.isfinite(loss_f) and math.isfinite(gn_f)
             if finite:
                 consecutive_nonfinite = 0
@@ -376,7 +383,7 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
                     }
                 )
                 if peak:
-                    lengths = [int(x) for b in micro for x in b.lengths_B.tolist()]
+                    lengths = [int(x) for b in micro_cpu for x in b.lengths_B.tolist()]
                     flops = flops_per_step(cfg.model, n_dense, lengths) * world
                     scalars[tags.MFU] = flops / dt / (peak * 1e12 * world)
             if finite and layer_stats is not None:
