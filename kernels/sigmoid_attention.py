@@ -305,8 +305,16 @@ def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _empty_bthd_as_bhtd(like: torch.Tensor) -> torch.Tensor:
-    """(B, H, T, D) view of (B, T, H, D) memory: the model's ``transpose(1, 2).reshape`` is free."""
+    """(B, H, T, D) view of (B, T, H, D) memory: the model's ``transpose(1, 2).reshape`` is free.
+
+    Under torch.compile a plain contiguous (B, H, T, D) buffer instead. Hypothesis behind it (the
+    compiled test returned NaN and values ~100x off, as uninitialised memory would; not yet
+    confirmed on a GPU): inductor may hand a user kernel a copy of a permuted *output* view, so
+    the kernel's writes never reach the tensor returned.
+    """
     B, H, T, D = like.shape
+    if torch.compiler.is_compiling():
+        return torch.empty(B, H, T, D, dtype=like.dtype, device=like.device)
     return torch.empty(B, T, H, D, dtype=like.dtype, device=like.device).permute(0, 2, 1, 3)
 
 
