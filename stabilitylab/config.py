@@ -131,6 +131,8 @@ class TrainConfig:
     checkpoint_every: int = 1000
     """Steps between checkpoints (0 = only at the end and on SIGTERM/SIGINT)."""
     compile: bool = False
+    """torch.compile the model (Module.compile). Refused with sigmoid-triton: its compiled result
+    was wrong on the H200 (docs/BENCHMARKS.md) until a GPU test says otherwise."""
     peak_tflops: float | None = None
     """Peak dense bf16 TFLOPS for MFU; None = from the GPU name (H100/H200: 989)."""
 

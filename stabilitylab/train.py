@@ -224,6 +224,8 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
             f"processes={world} accumulation={accum} micro_batch={cfg.train.micro_batch}"
         )
     optimizer = make_optimizer(cfg, model)
+    if cfg.train.compile:
+        model.compile()  # in place: DDP wraps it as usual and the hooks see the same modules
     model, optimizer = accelerator.prepare(model, optimizer)
     raw = accelerator.unwrap_model(model)
     params = list(raw.parameters())
@@ -485,6 +487,13 @@ class _null:
 def run(cfg: Config) -> dict[str, dict]:
     """Every arm of ``cfg`` in turn, then (main process) the analysis report over them."""
     accelerator = make_accelerator(cfg)
+    cuda = accelerator.device.type == "cuda"
+    if cfg.train.compile and any(cfg.backend_for(a, cuda) == "sigmoid-triton" for a in cfg.arms()):
+        raise ConfigError(
+            "config train.compile: torch.compile with the sigmoid-triton backend gave wrong values "
+            "on the GPU (docs/BENCHMARKS.md); use --train.compile=False or "
+            "--sigmoid_backend=sigmoid-reference"
+        )
     source = build_source(cfg.data, cfg.train.seed)
     summaries = {}
     for arm in cfg.arms():
