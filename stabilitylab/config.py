@@ -280,7 +280,7 @@ def smoke() -> Config:
 
 
 def proxy() -> Config:
-    """Small fast GPU model for sweeps: under a minute per 1,000-step run on one H200."""
+    """Small fast GPU model for sweeps: ~1 minute per 1,000-step run with six runs sharing one H200."""
     return Config(
         preset="proxy",
         name="proxy",
@@ -308,8 +308,9 @@ def proxy() -> Config:
 def proxy_hot() -> Config:
     """The proxy pushed hard: lr 0.3, no warmup, init x3 (docs/RESULTS.md, "divergence hunt").
 
-    Measured on one H200 (--train.seed=1, sigmoid-reference, 1,000 steps): the *sigmoid* arm's loss went from ~8 to 100-450
-    after step ~470 with a ~300x grad-norm jump; the softmax arm stayed near 7.3.
+    Measured on one H200 (--train.seed=1, sigmoid-reference, 1,000 steps): the *sigmoid* arm's
+    loss went from ~8 to 100-450 after step ~470 with a ~300x grad-norm jump; the softmax arm
+    stayed near 7.3.
     """
     cfg = proxy()
     cfg.preset, cfg.name = "proxy_hot", "proxy_hot"

@@ -8,7 +8,6 @@ Tag names live in ``stabilitylab.tags``.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -181,7 +180,3 @@ def first_nonfinite_module(model: nn.Module, run_forward) -> str | None:
         for h in handles:
             h.remove()
     return found[0] if found else None
-
-
-def is_finite(x: float) -> bool:
-    return math.isfinite(x)

@@ -320,8 +320,8 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
             # (AdamW's found_inf, as GradScaler uses it), so the host reads the numbers once, after
             # the update is queued, instead of stalling the queue before it.
             inner_opt.found_inf = (~torch.isfinite(loss_gn[:2]).all()).float().to(gn.device)
-            if cfg.train.clip_grad is not None:
-                torch.nn.utils.clip_grad_norm_(params, cfg.train.clip_grad)
+            if cfg.train.clip_grad is not None:  # reuses the norm above; no second pass
+                torch.nn.utils.clip_grads_with_norm_(params, cfg.train.clip_grad, gn)
             measure_layers = layer_mon.due(step)
             if measure_layers:
                 layer_mon.before_step(raw)

@@ -216,3 +216,15 @@ def test_compile_with_the_triton_backend_is_refused_before_any_work(tmp_path):
     with pytest.raises(C.ConfigError, match="train.compile"):
         run(cfg)
     assert not (tmp_path / "smoke").exists()
+
+
+def test_clipping_is_applied_only_when_asked(tmp_path):
+    def losses(name, *overrides):
+        run(smoke(tmp_path / name, "--arm=softmax", "--train.steps=6", *overrides))
+        ckpt = tmp_path / name / "smoke" / "softmax" / "checkpoints" / "last.pt"
+        return torch.load(ckpt, weights_only=False)["history"]["loss"]
+
+    off = losses("off")
+    assert losses("loose", "--train.clip_grad=1e9") == off  # coefficient 1: the same update
+    tight = losses("tight", "--train.clip_grad=1e-4")
+    assert tight[0] == off[0] and tight[-1] != off[-1]
