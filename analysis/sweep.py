@@ -13,6 +13,11 @@ with a diverged run counted at its initial loss (L_init = mean of the first 5 lo
 L_final = mean of the last 5). Runs repeated at one LR in a group are averaged first. S is NaN
 for a group where every run diverged (nothing to compare against). Writes sweep.md, sweep.csv
 (one row per run, with its group's S) and sweep.png (log-x; diverged runs marked x).
+
+A sweep finished in several sittings: ``--include earlier/sweep.csv`` adds that table's runs;
+where a new run has the same (variant, seed, lr), the new one replaces the earlier row.
+
+    python analysis/sweep.py runs/lrsweep2__* --include results/lr_sweep/sweep.csv --out /tmp/s
 """
 
 from __future__ import annotations
@@ -175,16 +180,43 @@ def sweep_figure(table: pd.DataFrame, groups: pd.DataFrame, path: str | Path) ->
     plt.close(fig)
 
 
-def write_sweep(run_dirs: list[str | Path], out_dir: str | Path | None = None) -> dict[str, Path]:
+def merge_tables(new: pd.DataFrame, earlier: list[pd.DataFrame]) -> pd.DataFrame:
+    """``new`` plus the rows of ``earlier`` tables whose (variant, seed, lr) ``new`` lacks."""
+    key = ["variant", "seed", "lr"]
+    parts = [new]
+    seen = set(map(tuple, new[key].itertuples(index=False)))
+    for i, old in enumerate(earlier):
+        missing = set(RUN_COLUMNS) - set(old.columns)
+        if missing:
+            raise ValueError(f"included sweep table {i} lacks columns {sorted(missing)}")
+        old = old[RUN_COLUMNS]
+        keep = [tuple(k) not in seen for k in old[key].itertuples(index=False)]
+        parts.append(old[keep])
+        seen |= set(map(tuple, old[key].itertuples(index=False)))
+    out = pd.concat(parts, ignore_index=True).astype({"divergence_step": "Int64", "steps": "Int64"})
+    return out.sort_values(["variant", "seed", "lr"], kind="stable").reset_index(drop=True)
+
+
+def write_sweep(
+    run_dirs: list[str | Path],
+    out_dir: str | Path | None = None,
+    include: list[str | Path] = (),
+) -> dict[str, Path]:
     """Write sweep.md, sweep.csv, sweep.png; returns ``{file name: path}``.
 
-    ``out_dir`` defaults to ``<common parent of run_dirs>/sweep``.
+    ``out_dir`` defaults to ``<common parent of run_dirs>/sweep``; ``include``: earlier sweep.csv
+    files merged in (``merge_tables``).
     """
     if isinstance(run_dirs, (str, Path)):
         run_dirs = [run_dirs]
     if not run_dirs:
         raise ValueError("no run directories given")
-    table = sweep_table(run_dirs)
+    earlier = []
+    for path in include:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"included sweep table not found: {path}")
+        earlier.append(pd.read_csv(path))
+    table = merge_tables(sweep_table(run_dirs), earlier)
     groups = lr_sensitivity(table)
     if out_dir is None:
         common = Path(os.path.commonpath([str(Path(p).resolve()) for p in run_dirs]))
@@ -229,11 +261,14 @@ def main(argv: list[str] | None = None) -> int:
         "run_dirs", nargs="+", metavar="RUN_DIR", help="run dirs or a folder of them"
     )
     parser.add_argument("--out", default=None, help="output folder (default <common parent>/sweep)")
+    parser.add_argument(
+        "--include", action="append", default=[], metavar="CSV", help="an earlier sweep.csv"
+    )
     args = parser.parse_args(argv)
     with warnings.catch_warnings():
         warnings.showwarning = one_line_warning
         try:
-            paths = write_sweep(args.run_dirs, args.out)
+            paths = write_sweep(args.run_dirs, args.out, args.include)
         except (FileNotFoundError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

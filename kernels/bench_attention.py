@@ -83,6 +83,9 @@ def provider_fn(name: str, q, k, v, lengths_B) -> Callable[[], torch.Tensor] | N
     if name == "flex":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+        # A fresh dynamo cache per shape: past the recompile limit dynamo silently runs the unfused
+        # eager flex_attention (a suspected cause of ~15 TFLOPS at hd128, T >= 8K on 2026-11-29).
+        torch._dynamo.reset()
         flex = torch.compile(flex_attention, dynamic=False)
         L_B = lengths_B
 

@@ -13,14 +13,12 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
 from stabilitylab.kernels.reference import max_abs_logit_reference  # noqa: F401  (the maths)
 from stabilitylab.kernels.triton_support import (
     capability,
     check_attention_inputs,
     compiled,
-    dense_for_compile,
     interpreted,
     interpreting,
     last_dim_contiguous,
@@ -78,10 +76,12 @@ def _configs(cap: tuple[int, int]) -> list[triton.Config]:
 _TUNED: dict[tuple[int, int], object] = {}
 
 
-@triton_op("stabilitylab::max_abs_logit", mutates_args=())
+# An opaque ``custom_op`` under torch.compile, as in sigmoid_attention.py (why: docs/LOG.md).
+@torch.library.custom_op("stabilitylab::max_abs_logit", mutates_args=())
 def _max_abs_logit_op(
     q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scale: float
 ) -> torch.Tensor:
+    q, k = last_dim_contiguous(q), last_dim_contiguous(k)
     B, H, T, D = q.shape
     if interpreting():
         launch, blocks, min_bm = interpreted(_max_abs_logit_kernel), INTERPRETER_BLOCKS, 16
@@ -91,7 +91,7 @@ def _max_abs_logit_op(
             _TUNED[cap] = triton.autotune(configs=_configs(cap), key=["T_BUCKET", "HEAD_DIM"])(
                 compiled(_max_abs_logit_kernel)
             )
-        launch, blocks, min_bm = wrap_triton(_TUNED[cap]), {}, _MIN_BLOCK_M
+        launch, blocks, min_bm = _TUNED[cap], {}, _MIN_BLOCK_M
     n_mx = triton.cdiv(T, min_bm)
     mx = torch.zeros(B * H, n_mx, dtype=torch.float32, device=q.device)
     launch[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](
@@ -103,12 +103,15 @@ def _max_abs_logit_op(
     return mx.amax(dim=1).view(B, H)
 
 
+@_max_abs_logit_op.register_fake
+def _max_abs_logit_fake(q, k, lengths, scale):
+    return q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
 def max_abs_logit(
     q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, lengths_B: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
     """Exact ``max |q.k| * scale`` over valid pairs per (batch, head): float32 ``max_BH``, detached."""
     check_attention_inputs({"q_BHTD": q_BHTD, "k_BHTD": k_BHTD}, lengths_B, scale)
-    prepare = dense_for_compile if torch.compiler.is_compiling() else last_dim_contiguous
-    q, k = (prepare(t.detach()) for t in (q_BHTD, k_BHTD))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _max_abs_logit_op(q, k, lengths_B, scale)
+    scale = 1.0 / math.sqrt(q_BHTD.shape[-1]) if scale is None else float(scale)
+    return _max_abs_logit_op(q_BHTD.detach(), k_BHTD.detach(), lengths_B, scale)

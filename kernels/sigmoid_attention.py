@@ -33,14 +33,12 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
 from stabilitylab.kernels.reference import sigmoid_attention_reference  # noqa: F401  (the maths)
 from stabilitylab.kernels.triton_support import (
     capability,
     check_attention_inputs,
     compiled,
-    dense_for_compile,
     interpreted,
     interpreting,
     last_dim_contiguous,
@@ -254,9 +252,14 @@ def _sigmoid_bwd_dkdv_kernel(
 INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
 
 
-def _configs(kind: str, cap: tuple[int, int]) -> list[triton.Config]:
-    """``kind``: fwd (BLOCK_M queries x BLOCK_N keys per step), dq (same), dkdv (BLOCK_N keys fixed)."""
-    if cap[0] >= 9:
+def _configs(kind: str, cap: tuple[int, int], fp32: bool = False) -> list[triton.Config]:
+    """``kind``: fwd (BLOCK_M queries x BLOCK_N keys per step), dq (same), dkdv (BLOCK_N keys fixed).
+
+    float32 (a testing dtype) gets small tiles of its own: the 16-bit tiles at 4 bytes a value
+    overflow shared memory at head dim 128, and compiling them took minutes on the H200."""
+    if fp32:
+        blocks = {"fwd": [(64, 32, 4, 2)], "dq": [(64, 32, 4, 2)], "dkdv": [(32, 64, 4, 2)]}[kind]
+    elif cap[0] >= 9:
         # (BLOCK_M, BLOCK_N, num_warps, num_stages); three each keeps first-call autotuning short.
         blocks = {
             "fwd": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3)],
@@ -278,17 +281,17 @@ def _configs(kind: str, cap: tuple[int, int]) -> list[triton.Config]:
 _TUNED: dict[tuple, object] = {}
 
 
-def _launcher(kernel, kind: str, device: torch.device):
+def _launcher(kernel, kind: str, device: torch.device, dtype: torch.dtype):
     """The kernel to launch for this call: interpreted (one config) or autotuned per arch."""
     if interpreting():
         return interpreted(kernel), INTERPRETER_BLOCKS
-    cap = capability(device)
-    key = (kernel, cap)
+    cap, fp32 = capability(device), dtype == torch.float32
+    key = (kernel, cap, fp32)
     if key not in _TUNED:
-        _TUNED[key] = triton.autotune(configs=_configs(kind, cap), key=["T_BUCKET", "HEAD_DIM"])(
-            compiled(kernel)
-        )
-    return wrap_triton(_TUNED[key]), {}
+        _TUNED[key] = triton.autotune(
+            configs=_configs(kind, cap, fp32), key=["T_BUCKET", "HEAD_DIM"]
+        )(compiled(kernel))
+    return _TUNED[key], {}
 
 
 def _common_args(D: int, dtype: torch.dtype, log_bias: bool, sigmoid: int) -> dict:
@@ -305,23 +308,19 @@ def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _empty_bthd_as_bhtd(like: torch.Tensor) -> torch.Tensor:
-    """(B, H, T, D) view of (B, T, H, D) memory: the model's ``transpose(1, 2).reshape`` is free.
-
-    Under torch.compile a plain contiguous (B, H, T, D) buffer instead. Hypothesis behind it (the
-    compiled test returned NaN and values ~100x off, as uninitialised memory would; not yet
-    confirmed on a GPU): inductor may hand a user kernel a copy of a permuted *output* view, so
-    the kernel's writes never reach the tensor returned.
-    """
+    """(B, H, T, D) view of (B, T, H, D) memory: the model's ``transpose(1, 2).reshape`` is free."""
     B, H, T, D = like.shape
-    if torch.compiler.is_compiling():
-        return torch.empty(B, H, T, D, dtype=like.dtype, device=like.device)
     return torch.empty(B, T, H, D, dtype=like.dtype, device=like.device).permute(0, 2, 1, 3)
 
 
 # ---- torch.library ops (compile-friendly) + autograd --------------------------------------------
+# ``custom_op``, not ``triton_op``: torch.compile sees each op as one opaque node (no graph break
+# under fullgraph=True) and runs the body as in eager, with the real tensors' strides. Traced
+# through as a ``triton_op``, inductor returned wrong values on the H200 (NaN, ~100x off) for
+# reasons not pinned down (docs/LOG.md); an opaque op gives that up for certainty.
 
 
-@triton_op("stabilitylab::sigmoid_attention_fwd", mutates_args=())
+@torch.library.custom_op("stabilitylab::sigmoid_attention_fwd", mutates_args=())
 def _fwd_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -333,14 +332,16 @@ def _fwd_op(
     sigmoid: int,
     return_max: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     B, H, T, D = q.shape
     out = _empty_bthd_as_bhtd(q)
-    launch, blocks = _launcher(_sigmoid_fwd_kernel, "fwd", q.device)
+    launch, blocks = _launcher(_sigmoid_fwd_kernel, "fwd", q.device, q.dtype)
     # Sized for the smallest BLOCK_M of any config; programs that do not exist leave a neutral 0.
     if interpreting():
         min_bm = INTERPRETER_BLOCKS["BLOCK_M"]
     else:
-        min_bm = min(c.kwargs["BLOCK_M"] for c in _configs("fwd", capability(q.device)))
+        fwd_configs = _configs("fwd", capability(q.device), q.dtype == torch.float32)
+        min_bm = min(c.kwargs["BLOCK_M"] for c in fwd_configs)
     n_mx = triton.cdiv(T, min_bm) if return_max else 1
     mx = torch.zeros(B * H, n_mx, dtype=torch.float32, device=q.device)
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)
@@ -354,7 +355,7 @@ def _fwd_op(
     return out, max_bh
 
 
-@triton_op("stabilitylab::sigmoid_attention_bwd", mutates_args=())
+@torch.library.custom_op("stabilitylab::sigmoid_attention_bwd", mutates_args=())
 def _bwd_op(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -366,22 +367,35 @@ def _bwd_op(
     log_bias: bool,
     sigmoid: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    do, q, k, v = (last_dim_contiguous(t) for t in (do, q, k, v))
     B, H, T, D = q.shape
     dq, dk, dv = (_empty_bthd_as_bhtd(t) for t in (q, k, v))
     common = _common_args(D, q.dtype, log_bias, sigmoid)
-    launch, blocks = _launcher(_sigmoid_bwd_dq_kernel, "dq", q.device)
+    launch, blocks = _launcher(_sigmoid_bwd_dq_kernel, "dq", q.device, q.dtype)
     launch[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](
         q, k, v, do, dq, lengths,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(dq),
         H, T, seq_bucket(T), scale, bias, **common, **blocks,
     )  # fmt: skip
-    launch, blocks = _launcher(_sigmoid_bwd_dkdv_kernel, "dkdv", q.device)
+    launch, blocks = _launcher(_sigmoid_bwd_dkdv_kernel, "dkdv", q.device, q.dtype)
     launch[lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * H)](
         q, k, v, do, dk, dv, lengths,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(dk), *_strides3(dv),
         H, T, seq_bucket(T), scale, bias, **common, **blocks,
     )  # fmt: skip
     return dq, dk, dv
+
+
+@_fwd_op.register_fake
+def _fwd_fake(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max):
+    B, H = q.shape[:2]
+    max_bh = q.new_empty((B, H) if return_max else (0,), dtype=torch.float32)
+    return _empty_bthd_as_bhtd(q), max_bh
+
+
+@_bwd_op.register_fake
+def _bwd_fake(do, q, k, v, lengths, scale, bias, log_bias, sigmoid):
+    return tuple(_empty_bthd_as_bhtd(t) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -392,8 +406,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, d_out, _d_max):
     q, k, v, lengths = ctx.saved_tensors
-    do = dense_for_compile(d_out)  # a copy only for gapped grads; the model's are dense
-    dq, dk, dv = _bwd_op(do, q, k, v, lengths, *ctx.args)
+    dq, dk, dv = _bwd_op(d_out, q, k, v, lengths, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -428,12 +441,10 @@ def sigmoid_attention(
     check_attention_inputs({"q_BHTD": q_BHTD, "k_BHTD": k_BHTD, "v_BHTD": v_BHTD}, lengths_B, scale)
     if bias is not None and not math.isfinite(float(bias)):
         raise ValueError(f"bias must be a finite float or None, got {bias!r}")
-    prepare = dense_for_compile if torch.compiler.is_compiling() else last_dim_contiguous
-    q, k, v = (prepare(t) for t in (q_BHTD, k_BHTD, v_BHTD))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    mode = EXACT if exact else default_fast_mode(q.dtype)
+    scale = 1.0 / math.sqrt(q_BHTD.shape[-1]) if scale is None else float(scale)
+    mode = EXACT if exact else default_fast_mode(q_BHTD.dtype)
+    bias_f = 0.0 if bias is None else float(bias)
     out_BHTD, max_BH = _fwd_op(
-        q, k, v, lengths_B, scale, 0.0 if bias is None else float(bias), bias is None, mode,
-        return_max_logit,
-    )  # fmt: skip
+        q_BHTD, k_BHTD, v_BHTD, lengths_B, scale, bias_f, bias is None, mode, return_max_logit
+    )
     return out_BHTD, (max_BH.detach() if return_max_logit else None)

@@ -133,22 +133,3 @@ def _check_lengths_range(lengths_B: torch.Tensor, T: int) -> None:
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     """Kernels take any (b, h, t) strides but need unit stride along D for wide loads."""
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def is_dense(t: torch.Tensor) -> bool:
-    """No gaps and no overlap: the strides follow from the dims' stride order alone."""
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda p: p[1]):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def dense_for_compile(t: torch.Tensor) -> torch.Tensor:
-    """Under torch.compile, inductor keeps a Triton kernel argument's stride *order* but may
-    re-allocate it densely, while the strides we pass are ints frozen at trace time: a gapped view
-    (the model's q/k/v out of one (B, T, 3, H, D) projection) would then be read with stale strides.
-    Dense tensors have one stride set per order, so those pass as they are."""
-    t = last_dim_contiguous(t)
-    return t if is_dense(t) else t.contiguous()

@@ -203,6 +203,8 @@ def _check_online(hist: History):
 def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
     """Train one arm to ``cfg.train.steps`` (or divergence / a stop signal); returns its summary."""
     cuda = accelerator.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()  # per arm: both arms share one process
     backend = cfg.backend_for(arm, cuda)
     world, rank = accelerator.num_processes, accelerator.process_index
     accum = accumulation_steps(cfg, world)
@@ -388,6 +390,8 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
                     lengths = [int(x) for b in micro_cpu for x in b.lengths_B.tolist()]
                     flops = flops_per_step(cfg.model, n_dense, lengths) * world
                     scalars[tags.MFU] = flops / dt / (peak * 1e12 * world)
+                if cuda:  # the allocator's own counter: no device sync
+                    scalars[tags.PEAK_MEM] = torch.cuda.max_memory_allocated() / 2**30
             if finite and layer_stats is not None:
                 scalars.update(LayerStatsMonitor.to_scalars(layer_stats.tolist()))
             if max_LH is not None:
@@ -463,6 +467,7 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
         "max_logit": hist.max_logit if cfg.telemetry.logit_every else None,
         "steps": step,
         "wall_time_s": time.time() - t0_run,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "initial_loss": hist.loss[0] if hist.loss else None,
         "final_loss": finite_loss[-1] if finite_loss else None,
         "params": n_params,
@@ -487,13 +492,6 @@ class _null:
 def run(cfg: Config) -> dict[str, dict]:
     """Every arm of ``cfg`` in turn, then (main process) the analysis report over them."""
     accelerator = make_accelerator(cfg)
-    cuda = accelerator.device.type == "cuda"
-    if cfg.train.compile and any(cfg.backend_for(a, cuda) == "sigmoid-triton" for a in cfg.arms()):
-        raise ConfigError(
-            "config train.compile: torch.compile with the sigmoid-triton backend gave wrong values "
-            "on the GPU (docs/BENCHMARKS.md); use --train.compile=False or "
-            "--sigmoid_backend=sigmoid-reference"
-        )
     source = build_source(cfg.data, cfg.train.seed)
     summaries = {}
     for arm in cfg.arms():

@@ -444,3 +444,23 @@ def test_sweep_table_groups_by_variant_and_seed(tmp_path):
     assert sorted(paths) == ["sweep.csv", "sweep.md", "sweep.png"]
     assert all(p.parent == tmp_path / "sweep" and p.stat().st_size > 0 for p in paths.values())
     assert len(pd.read_csv(paths["sweep.csv"])) == 4
+
+
+def test_sweep_include_merges_an_earlier_table_new_runs_win(tmp_path):
+    from stabilitylab.analysis.sweep import write_sweep
+
+    n = 60
+    steps, loss, gn, _ = stable_curves(0, n=n)
+    write_arm(tmp_path / "new" / "a" / "softmax", "softmax", steps, loss, gn, lr=1e-2)
+    old = sweep_table([tmp_path / "new"])
+    old["run"] = "earlier"
+    old.loc[0, "final_loss"] = old.loc[0, "clipped_loss"] = 99.0  # superseded by the new run
+    extra = old.assign(lr=1e-3, final_loss=1.0, clipped_loss=1.0)  # only in the earlier table
+    pd.concat([old, extra]).to_csv(tmp_path / "earlier.csv", index=False)
+    paths = write_sweep([tmp_path / "new"], tmp_path / "out", [tmp_path / "earlier.csv"])
+    merged = pd.read_csv(paths["sweep.csv"])
+    assert list(merged["lr"]) == [1e-3, 1e-2]
+    assert list(merged["run"]) == ["earlier", "a"]
+    assert merged["final_loss"].iloc[1] != 99.0
+    with pytest.raises(FileNotFoundError, match="not found"):
+        write_sweep([tmp_path / "new"], tmp_path / "out", [tmp_path / "missing.csv"])

@@ -29,6 +29,18 @@ def test_stress_8k_matches_the_paper():
     assert m.sigmoid_bias is None and not m.qk_layernorm
 
 
+def test_diverge_fast_is_the_measured_hunt_setting():
+    """The preset must resolve to exactly the overrides the GPU hunt ran (docs/RESULTS.md, 3)."""
+    hunt = C.parse(
+        ["--preset", "proxy", "--sigmoid_backend=sigmoid-reference", "--train.weight_decay=0.0",
+         "--model.n_layers=8", "--model.d_model=512", "--model.n_heads=8", "--model.d_ff=2048",
+         "--train.lr=0.1", "--train.seed=1"]
+    )  # fmt: skip
+    preset = C.parse(["--preset", "diverge_fast"])
+    strip = lambda c: {k: v for k, v in C.to_dict(c).items() if k not in ("preset", "name")}
+    assert strip(preset) == strip(hunt)
+
+
 def test_overrides_are_typed():
     cfg = C.parse(
         [

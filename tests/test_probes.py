@@ -288,8 +288,12 @@ def test_maths_rejects_bad_arguments():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_live_probe_on_cuda_matches_reference_backend():
+    """The kernel takes head dims 64/128 only: a wider tiny model than ``tiny_model``'s."""
     tokens_BT, lengths_B = batch([20, 11])
-    triton, ref = tiny_model("sigmoid-triton").cuda(), tiny_model("sigmoid-reference").cuda()
+    cfg = ModelConfig(n_layers=2, d_model=128, n_heads=2, d_ff=64, dropout=0.2)
+    torch.manual_seed(0)
+    triton = Encoder(cfg, vocab_size=50, context_len=32, backend="sigmoid-triton").cuda()
+    ref = Encoder(cfg, vocab_size=50, context_len=32, backend="sigmoid-reference").cuda()
     ref.load_state_dict(triton.state_dict())
     probe = JacobianProbe(every=1, samples=2, tokens=16, iters=50)
     rng = torch.cuda.get_rng_state()

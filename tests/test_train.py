@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from stabilitylab import config as C
@@ -209,13 +208,6 @@ def test_sigterm_then_resume_is_bitwise_identical(tmp_path):
     assert a["history"]["grad_norm"] == b["history"]["grad_norm"]
     for name, t in a["model"].items():
         assert torch.equal(t, b["model"][name]), name
-
-
-def test_compile_with_the_triton_backend_is_refused_before_any_work(tmp_path):
-    cfg = smoke(tmp_path, "--train.compile=True", "--sigmoid_backend=sigmoid-triton")
-    with pytest.raises(C.ConfigError, match="train.compile"):
-        run(cfg)
-    assert not (tmp_path / "smoke").exists()
 
 
 def test_clipping_is_applied_only_when_asked(tmp_path):
