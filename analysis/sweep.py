@@ -51,8 +51,10 @@ from stabilitylab.analysis.stats import final_mean, initial_mean  # noqa: E402
 
 RUN_COLUMNS = [
     "run", "arm", "variant", "seed", "lr", "initial_loss", "final_loss", "diverged",
-    "divergence_step", "clipped_loss", "status", "steps",
+    "divergence_step", "clipped_loss", "status", "steps", "max_grad_norm", "max_logit",
 ]  # fmt: skip
+OPTIONAL_COLUMNS = ("max_grad_norm", "max_logit")
+"""From summary.json (every-step maxima); an older sweep.csv without them merges with NaN."""
 GROUP_COLUMNS = [
     "variant", "seed", "n_lrs", "n_diverged", "n_incomplete", "best_lr", "best_loss", "lr_sensitivity",
 ]  # fmt: skip
@@ -115,10 +117,12 @@ def sweep_table(run_dirs: list[str | Path]) -> pd.DataFrame:
                 "clipped_loss": init if diverged else min(final, init),
                 "status": "diverged" if diverged else summary.get("status", "unfinished"),
                 "steps": summary.get("steps"),
+                "max_grad_norm": summary.get("max_grad_norm"),
+                "max_logit": summary.get("max_logit"),
             }
         )
     out = pd.DataFrame(rows, columns=RUN_COLUMNS).astype(
-        {"divergence_step": "Int64", "steps": "Int64"}
+        {"divergence_step": "Int64", "steps": "Int64", "max_grad_norm": float, "max_logit": float}
     )
     return out.sort_values(["variant", "seed", "lr"], kind="stable").reset_index(drop=True)
 
@@ -186,10 +190,10 @@ def merge_tables(new: pd.DataFrame, earlier: list[pd.DataFrame]) -> pd.DataFrame
     parts = [new]
     seen = set(map(tuple, new[key].itertuples(index=False)))
     for i, old in enumerate(earlier):
-        missing = set(RUN_COLUMNS) - set(old.columns)
+        missing = set(RUN_COLUMNS) - set(old.columns) - set(OPTIONAL_COLUMNS)
         if missing:
             raise ValueError(f"included sweep table {i} lacks columns {sorted(missing)}")
-        old = old[RUN_COLUMNS]
+        old = old.reindex(columns=RUN_COLUMNS)
         keep = [tuple(k) not in seen for k in old[key].itertuples(index=False)]
         parts.append(old[keep])
         seen |= set(map(tuple, old[key].itertuples(index=False)))

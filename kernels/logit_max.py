@@ -60,20 +60,23 @@ def _max_abs_logit_kernel(
 
 
 INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
-_MIN_BLOCK_M = 64
 
 
-def _configs(cap: tuple[int, int]) -> list[triton.Config]:
-    blocks = (
-        [(128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3)] if cap[0] >= 9 else [(64, 64, 4, 2)]
-    )
+def _configs(cap: tuple[int, int], fp32: bool = False) -> list[triton.Config]:
+    """float32 (a testing dtype) gets small tiles, as in sigmoid_attention.py."""
+    if fp32:
+        blocks = [(64, 32, 4, 2)]
+    elif cap[0] >= 9:
+        blocks = [(128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3)]
+    else:
+        blocks = [(64, 64, 4, 2)]
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
         for m, n, w, s in blocks
     ]
 
 
-_TUNED: dict[tuple[int, int], object] = {}
+_TUNED: dict[tuple[tuple[int, int], bool], object] = {}
 
 
 # An opaque ``custom_op`` under torch.compile, as in sigmoid_attention.py (why: docs/LOG.md).
@@ -86,12 +89,14 @@ def _max_abs_logit_op(
     if interpreting():
         launch, blocks, min_bm = interpreted(_max_abs_logit_kernel), INTERPRETER_BLOCKS, 16
     else:
-        cap = capability(q.device)
-        if cap not in _TUNED:
-            _TUNED[cap] = triton.autotune(configs=_configs(cap), key=["T_BUCKET", "HEAD_DIM"])(
+        key = (capability(q.device), q.dtype == torch.float32)
+        configs = _configs(*key)
+        if key not in _TUNED:
+            _TUNED[key] = triton.autotune(configs=configs, key=["T_BUCKET", "HEAD_DIM"])(
                 compiled(_max_abs_logit_kernel)
             )
-        launch, blocks, min_bm = _TUNED[cap], {}, _MIN_BLOCK_M
+        launch, blocks = _TUNED[key], {}
+        min_bm = min(c.kwargs["BLOCK_M"] for c in configs)
     n_mx = triton.cdiv(T, min_bm)
     mx = torch.zeros(B * H, n_mx, dtype=torch.float32, device=q.device)
     launch[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](

@@ -10,7 +10,7 @@ GRAD_NORM = "train/grad_norm"  # global L2 norm of all gradients, before any cli
 TOKENS_PER_S = "perf/tokens_per_s"  # valid tokens per second, all processes
 STEP_TIME = "perf/step_time_s"
 MFU = "perf/mfu"  # model FLOPs utilisation, valid tokens only (CUDA only)
-PEAK_MEM = "perf/peak_mem_gib"  # peak allocated GPU memory of this process so far (CUDA only)
+PEAK_MEM = "perf/peak_mem_gib"  # peak allocated GPU memory of this arm so far (CUDA only)
 NONFINITE = "event/nonfinite"  # 1.0 at a step whose loss or gradient was not finite
 MAX_LOGIT = "attn/max_logit"  # max over layers and heads of max |q.k|/sqrt(d)
 

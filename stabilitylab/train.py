@@ -204,7 +204,7 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
     """Train one arm to ``cfg.train.steps`` (or divergence / a stop signal); returns its summary."""
     cuda = accelerator.device.type == "cuda"
     if cuda:
-        torch.cuda.reset_peak_memory_stats()  # per arm: both arms share one process
+        torch.cuda.reset_peak_memory_stats()  # per arm (the previous arm's state is freed)
     backend = cfg.backend_for(arm, cuda)
     world, rank = accelerator.num_processes, accelerator.process_index
     accum = accumulation_steps(cfg, world)
@@ -478,6 +478,9 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
     if main:
         runs.write_summary(d, **summary)
     accelerator.wait_for_everyone()
+    # Accelerate keeps every prepared model and optimizer; drop this arm's so that the next arm
+    # (same process) neither carries its memory nor counts it in its own peak.
+    accelerator.free_memory()
     return summary
 
 

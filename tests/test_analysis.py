@@ -456,11 +456,16 @@ def test_sweep_include_merges_an_earlier_table_new_runs_win(tmp_path):
     old["run"] = "earlier"
     old.loc[0, "final_loss"] = old.loc[0, "clipped_loss"] = 99.0  # superseded by the new run
     extra = old.assign(lr=1e-3, final_loss=1.0, clipped_loss=1.0)  # only in the earlier table
-    pd.concat([old, extra]).to_csv(tmp_path / "earlier.csv", index=False)
+    earlier = pd.concat([old, extra]).drop(columns=["max_grad_norm", "max_logit"])  # older format
+    earlier.to_csv(tmp_path / "earlier.csv", index=False)
     paths = write_sweep([tmp_path / "new"], tmp_path / "out", [tmp_path / "earlier.csv"])
     merged = pd.read_csv(paths["sweep.csv"])
     assert list(merged["lr"]) == [1e-3, 1e-2]
     assert list(merged["run"]) == ["earlier", "a"]
     assert merged["final_loss"].iloc[1] != 99.0
+    assert "max_logit" in merged.columns and pd.isna(merged["max_logit"].iloc[0])
+    with pytest.raises(ValueError, match="lacks columns"):
+        earlier.drop(columns="lr").to_csv(tmp_path / "bad.csv", index=False)
+        write_sweep([tmp_path / "new"], tmp_path / "out", [tmp_path / "bad.csv"])
     with pytest.raises(FileNotFoundError, match="not found"):
         write_sweep([tmp_path / "new"], tmp_path / "out", [tmp_path / "missing.csv"])
