@@ -251,6 +251,48 @@ def jacobian_growth(
     )
 
 
+def loss_blowup(
+    steps,
+    values,
+    *,
+    n_initial: int = 5,
+    factor: float = 2.0,
+    sustain: int = 5,
+    min_progress: float = 0.05,
+) -> Detection | None:
+    """A sustained loss blow-up after learning: a failure that ``diverged``'s grad-norm rule can
+    miss (a 100-300x grad-norm rise with the loss at 10-40x its start, docs/RESULTS.md).
+
+    ``L0`` = mean of the first ``n_initial`` finite points. Fires at the first point t that ends
+    ``sustain`` consecutive finite points all ``>= factor * L0``, once the loss had earlier come
+    down to ``L0 - min_progress * |L0|`` or below (so a transient before any learning, as with
+    a large init, does not fire). Reported beside ``diverged``; not part of it.
+    """
+    _check_positive(n_initial=n_initial, factor=factor, sustain=sustain)
+    _check_positive(min_progress=min_progress)
+    steps_N, values_N = _finite(*_as_series(steps, values))
+    if values_N.size <= n_initial:
+        return None
+    loss0 = float(values_N[:n_initial].mean())
+    high_N = values_N >= factor * loss0
+    run_N = pd.Series(high_N).rolling(sustain, min_periods=sustain).sum().to_numpy() == sustain
+    best_N = np.minimum.accumulate(np.concatenate([[np.inf], values_N[:-1]]))
+    learned_N = np.maximum.accumulate(best_N <= loss0 - min_progress * abs(loss0))
+    # The run of high points must start after the learning: shift "learned" by sustain - 1.
+    learned_before_run_N = np.concatenate(
+        [np.zeros(sustain - 1, bool), learned_N[: -(sustain - 1) or None]]
+    )
+    i = _first(run_N & learned_before_run_N[: run_N.size])
+    if i is None:
+        return None
+    return Detection(
+        "loss_blowup",
+        int(steps_N[i]),
+        float(values_N[i]),
+        f"loss >= {factor:g}x initial {loss0:.4g} for {sustain} logged points after learning",
+    )
+
+
 def rolling_sigma(
     steps,
     values,

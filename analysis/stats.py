@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from stabilitylab import tags
+from stabilitylab.analysis import detectors as det
 from stabilitylab.analysis.early_warning import (
     divergence_of,
     early_warning,
@@ -26,7 +27,7 @@ N_EARLY = 10
 
 SUMMARY_COLUMNS = [
     "run", "arm", "status", "divergence_step", "divergence_reason", "detected_step",
-    "first_warning", "lead_steps", "max_grad_norm", "grad_norm_growth", "max_logit",
+    "loss_blowup_step", "first_warning", "lead_steps", "max_grad_norm", "grad_norm_growth", "max_logit",
     "max_logit_growth", "initial_loss", "final_loss", "last_step",
 ]  # fmt: skip
 
@@ -57,7 +58,8 @@ def arm_row(df_arm: pd.DataFrame, summary: dict | None) -> tuple[dict, pd.DataFr
 
     Status and divergence step come from summary.json when the run finished writing one;
     ``detected_step`` is always recomputed from the event data with ``detectors.diverged``, so
-    the two can be compared. Without summary.json the status is ``diverged`` if the rule fires,
+    the two can be compared; ``loss_blowup_step`` is ``detectors.loss_blowup`` on the loss, a
+    failure the grad-norm rule can miss. Without summary.json the status is ``diverged`` if the rule fires,
     else ``unfinished``.
     """
     run, arm = df_arm["run"].iloc[0], df_arm["arm"].iloc[0]
@@ -79,6 +81,7 @@ def arm_row(df_arm: pd.DataFrame, summary: dict | None) -> tuple[dict, pd.DataFr
     _, logit, _ = max_logit_series(df_arm)
     max_gn, gn_growth = growth(gn) if gn.size else (None, None)
     max_logit, logit_growth = growth(logit) if logit.size else (None, None)
+    blowup = det.loss_blowup(loss_steps, loss) if loss.size else None
     row = {
         "run": run,
         "arm": arm,
@@ -86,6 +89,7 @@ def arm_row(df_arm: pd.DataFrame, summary: dict | None) -> tuple[dict, pd.DataFr
         "divergence_step": div_step,
         "divergence_reason": reason,
         "detected_step": detected,
+        "loss_blowup_step": blowup.step if blowup is not None else None,
         "first_warning": warn_name,
         "lead_steps": lead,
         "max_grad_norm": max_gn,

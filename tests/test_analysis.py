@@ -112,6 +112,29 @@ def test_loss_divergence_catches_a_slow_climb_back_above_the_start():
     assert steps[300] < early.step < hit.step and "jump" in early.detail
 
 
+def test_loss_blowup_fires_on_a_sustained_blowup_after_learning_only():
+    steps, loss, gn, _ = stable_curves(5)
+    assert det.loss_blowup(steps, loss) is None
+    loss0 = loss[:5].mean()
+    blown = loss.copy()
+    blown[400:460] = 12 * loss0  # the diverge_fast sigmoid seed-3 shape: loss ~12x its start
+    gn_up = gn.copy()
+    gn_up[400:] *= 100  # a 100x grad-norm rise: the run-level rule stays silent
+    assert det.diverged(steps, blown, steps, gn_up) is None
+    hit = det.loss_blowup(steps, blown)
+    assert hit is not None and hit.step == steps[404]  # the 5th high point in a row
+    # Four high points are a spike, not a blow-up.
+    spike = loss.copy()
+    spike[400:404] = 12 * loss0
+    assert det.loss_blowup(steps, spike) is None
+    # A high start before any learning (large init) does not fire.
+    early = loss.copy()
+    early[5:30] = 6 * loss0
+    assert det.loss_blowup(steps, early) is None
+    with pytest.raises(ValueError, match="factor"):
+        det.loss_blowup(steps, loss, factor=0)
+
+
 def test_diverged_needs_loss_above_initial_and_prefers_the_earliest_cause():
     steps, loss, gn, _ = stable_curves(0)
     gn[500:] *= 1e4  # explosion, but the loss keeps going down
