@@ -7,7 +7,8 @@
 Grid: bf16, head dim 64/128, T = 1K..16K, 16,384 tokens per batch (B = 16384 / T), hidden 2048
 (H = 2048 / D), padding 0/25/50% (every sequence has L = (1 - p) T valid tokens). TFLOPS count
 valid tokens only: forward 4 H D sum(L^2), backward 2.5x forward; time = do_bench median (ms).
-Softmax baselines get a key-padding mask where they support one (cuDNN: boolean mask; flash: none,
+``sigmoid-triton-tma(-ws)``: the experimental TMA forward (kernels/sigmoid_attention_tma.py), forward
+only, without / with warp specialisation. Softmax baselines get a key-padding mask where they support one (cuDNN: boolean mask; flash: none,
 so padded rows are skipped; FlexAttention: a block mask that skips padded blocks). Expected on an
 H200 (shared/notes/kernel-levers.md): cuDNN ~445 fwd TFLOPS at hd64, ~600 at hd128.
 
@@ -34,9 +35,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from stabilitylab.kernels import sigmoid_attention
 from stabilitylab.kernels.reference import key_mask_BT, sigmoid_attention_reference
 from stabilitylab.kernels.sigmoid_attention import EXACT, TANH_F32, _fwd_op
+from stabilitylab.kernels.sigmoid_attention_tma import sigmoid_attention_fwd_tma
 
 TOKENS, HIDDEN = 16_384, 2048
-PROVIDERS = ["sigmoid-triton", "sigmoid-triton-exact", "cudnn", "flash", "flex", "eager-sigmoid"]
+PROVIDERS = [
+    "sigmoid-triton", "sigmoid-triton-exact", "sigmoid-triton-tma", "sigmoid-triton-tma-ws",
+    "cudnn", "flash", "flex", "eager-sigmoid",
+]  # fmt: skip
+FORWARD_ONLY = {"sigmoid-triton-tma", "sigmoid-triton-tma-ws"}  # experimental, no backward
 
 
 def flops_fwd(H: int, D: int, lengths: list[int]) -> float:
@@ -63,6 +69,9 @@ def provider_fn(name: str, q, k, v, lengths_B) -> Callable[[], torch.Tensor] | N
         return lambda: sigmoid_attention(q, k, v, lengths_B)[0]
     if name == "sigmoid-triton-exact":
         return lambda: sigmoid_attention(q, k, v, lengths_B, exact=True)[0]
+    if name in FORWARD_ONLY:
+        ws = name.endswith("-ws")
+        return lambda: sigmoid_attention_fwd_tma(q, k, v, lengths_B, warp_specialize=ws)
     if name == "cudnn":
         mask = valid_BT[:, None, None, :] if padded else None
 
@@ -108,7 +117,7 @@ def time_provider(name, q, k, v, lengths_B, bwd: bool) -> tuple[float, float]:
     out = fwd()  # compile / autotune outside the timed region
     ms_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
     ms_b = float("nan")
-    if bwd:
+    if bwd and name not in FORWARD_ONLY:
         g = torch.randn_like(out)
         grad = lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
         grad()
