@@ -492,3 +492,37 @@ def test_sweep_include_merges_an_earlier_table_new_runs_win(tmp_path):
         write_sweep([tmp_path / "new"], tmp_path / "out", [tmp_path / "bad.csv"])
     with pytest.raises(FileNotFoundError, match="not found"):
         write_sweep([tmp_path / "new"], tmp_path / "out", [tmp_path / "missing.csv"])
+
+
+def test_stability_map_finds_the_setting_keys_and_counts_outcomes(tmp_path):
+    from stabilitylab.analysis.map import run_table, varying_keys, write_map
+
+    n = 200
+    for seed in (1, 2):
+        for lr in (1e-3, 1e-1):
+            base = tmp_path / f"lr{lr:g}_s{seed}"
+            steps, loss, gn, _ = stable_curves(seed, n=n)
+            done = {"status": "stable", "steps": int(steps[-1])}
+            sig_loss = loss.copy()
+            if lr == 1e-1 and seed == 1:  # a loss blow-up that the run-level rule did not flag
+                sig_loss[150:] = 4 * loss[:5].mean()
+            write_arm(base / "sigmoid", "sigmoid", steps, sig_loss, gn, lr=lr, seed=seed,
+                      summary=done)  # fmt: skip
+            sm = (
+                {"status": "diverged", "divergence_step": 500, "steps": 500} if lr == 1e-1 else done
+            )
+            write_arm(base / "softmax", "softmax", steps, loss, gn, lr=lr, seed=seed, summary=sm)
+    # Seeds, arms and names differ between the runs, but only the learning rate is a setting.
+    assert varying_keys([{"train": {"lr": 1, "seed": 1}, "arm": "a", "name": "x"},
+                         {"train": {"lr": 2, "seed": 2}, "arm": "b", "name": "y"}]) == ["train.lr"]  # fmt: skip
+    runs, keys = run_table([tmp_path])
+    assert keys == ["train.lr"]
+    by = runs.set_index(["train.lr", "arm", "seed"])["outcome"]
+    assert by[(1e-3, "softmax", 1)] == by[(1e-3, "sigmoid", 2)] == "stable"
+    assert by[(1e-1, "softmax", 1)] == by[(1e-1, "softmax", 2)] == "diverged"
+    assert by[(1e-1, "sigmoid", 1)] == "loss blow-up" and by[(1e-1, "sigmoid", 2)] == "stable"
+    paths = write_map([tmp_path], tmp_path / "map")
+    assert all(p.stat().st_size > 0 for p in paths.values())
+    text = paths["map.md"].read_text()
+    # S2 = lr 0.1: softmax 2 of 2 diverged at step 500; sigmoid 1 blow-up in 2 runs.
+    assert "| S2 | 0/1/2 at " in text and "| 2/0/2 at 500,500 |" in text
