@@ -133,3 +133,16 @@ def _check_lengths_range(lengths_B: torch.Tensor, T: int) -> None:
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     """Kernels take any (b, h, t) strides but need unit stride along D for wide loads."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def autotune_choices(tuned: dict) -> dict[str, str]:
+    """What each autotuner in ``tuned`` (a launcher cache: any key -> ``triton.autotune`` object)
+    chose so far: ``"kernel_name[key values]" -> "BLOCK_M: 128, ..., num_stages: 3"``. Empty in
+    the interpreter, which does not autotune. Recorded in every run's provenance."""
+    out = {}
+    for tuner in tuned.values():
+        fn = getattr(tuner, "base_fn", None) or getattr(tuner, "fn", None)
+        name = getattr(fn, "__name__", type(tuner).__name__)
+        for key, config in getattr(tuner, "cache", {}).items():
+            out[f"{name}{list(key)}"] = str(config)
+    return out

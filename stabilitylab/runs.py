@@ -2,7 +2,8 @@
 
 <out_dir>/<name>/<arm>/
     config.json        resolved config (+ arm and backend)
-    provenance.json    git commit / dirty flag, torch / triton / CUDA / GPU, host, command
+    provenance.json    git commit / dirty flag, torch / triton / CUDA / GPU, host, command, and
+                       at the end the Triton autotune choices made so far in the process
     events.out.tfevents.*   TensorBoard scalars (written live)
     checkpoints/       last.pt, forensic_step<N>.pt on divergence
     summary.json       written at the end of every run, also a diverged or interrupted one
@@ -95,6 +96,13 @@ def start_arm(cfg: Config, arm: str, backend: str) -> Path:
     write_json(d / "config.json", {**to_dict(cfg), "arm": arm, "backend": backend})
     write_json(d / "provenance.json", provenance())
     return d
+
+
+def add_provenance(d: Path, **fields) -> None:
+    """Facts known only at the end of an arm (e.g. the autotune choices) join provenance.json."""
+    path = d / "provenance.json"
+    info = json.loads(path.read_text()) if path.is_file() else {}
+    write_json(path, {**info, **fields})
 
 
 def write_summary(d: Path, **fields) -> dict:

@@ -24,6 +24,7 @@ import torch
 from stabilitylab import runs, tags
 from stabilitylab.config import Config, ConfigError
 from stabilitylab.data import build_source, make_batch
+from stabilitylab.kernels import autotune_choices
 from stabilitylab.model import (
     Encoder,
     count_parameters,
@@ -477,6 +478,7 @@ def train_arm(cfg: Config, arm: str, accelerator, source=None) -> dict:
     }
     if main:
         runs.write_summary(d, **summary)
+        runs.add_provenance(d, autotune=autotune_choices())
     accelerator.wait_for_everyone()
     # Accelerate keeps every prepared model and optimizer; drop this arm's so that the next arm
     # (same process) neither carries its memory nor counts it in its own peak.

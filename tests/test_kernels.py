@@ -286,3 +286,20 @@ def test_tma_forward_refuses_unaligned_strides(monkeypatch):
     x = torch.randn(1, 2, 33, 65)[..., :64]  # row stride 65 floats = 260 bytes
     with pytest.raises(ValueError, match="16-byte"):
         sigmoid_attention_fwd_tma(x, x, x, torch.tensor([33]))
+
+
+def test_autotune_choices_name_kernel_key_and_config():
+    from types import SimpleNamespace
+
+    import triton
+
+    from stabilitylab.kernels.triton_support import autotune_choices
+
+    fn = SimpleNamespace(__name__="_sigmoid_fwd_kernel")
+    tuner = SimpleNamespace(
+        base_fn=fn, cache={(8192, 64): triton.Config({"BLOCK_M": 128}, num_warps=8, num_stages=3)}
+    )
+    got = autotune_choices({("k", (9, 0), False): tuner, "untuned": SimpleNamespace(cache={})})
+    assert list(got) == ["_sigmoid_fwd_kernel[8192, 64]"]
+    assert "BLOCK_M: 128" in got["_sigmoid_fwd_kernel[8192, 64]"]
+    assert "num_warps: 8" in got["_sigmoid_fwd_kernel[8192, 64]"]

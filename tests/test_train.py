@@ -59,6 +59,7 @@ def test_paired_smoke_run_writes_everything(tmp_path):
         )
         prov = json.loads((d / "provenance.json").read_text())
         assert prov["torch"] == torch.__version__ and "git_commit" in prov and "git_dirty" in prov
+        assert prov["autotune"] == {}  # the CPU interpreter does not autotune
         assert list(d.glob("events.out.tfevents.*"))
         assert (d / "checkpoints" / "last.pt").exists()
     assert len(hashes) == 1, "both arms must start from identical weights"
