@@ -255,41 +255,52 @@ def loss_blowup(
     steps,
     values,
     *,
-    n_initial: int = 5,
     factor: float = 2.0,
     sustain: int = 5,
-    min_progress: float = 0.05,
+    sustain_cold: int = 50,
+    min_progress: float = 0.02,
 ) -> Detection | None:
-    """A sustained loss blow-up after learning: a failure that ``diverged``'s grad-norm rule can
-    miss (a 100-300x grad-norm rise with the loss at 10-40x its start, docs/RESULTS.md).
+    """A sustained loss blow-up: a failure that ``diverged``'s grad-norm rule can miss (a
+    100-300x grad-norm rise with the loss at 10-40x its start, docs/RESULTS.md).
 
-    ``L0`` = mean of the first ``n_initial`` finite points. Fires at the first point t that ends
-    ``sustain`` consecutive finite points all ``>= factor * L0``, once the loss had earlier come
-    down to ``L0 - min_progress * |L0|`` or below (so a transient before any learning, as with
-    a large init, does not fire). Reported beside ``diverged``; not part of it.
+    ``L0`` = the first finite point (the loss before training moved it). With ``high`` = points
+    ``>= factor * L0``, fires at the first point t that ends
+
+        after learning:  ``sustain`` high points in a row, starting after a point (other than
+                         the first) at or below ``L0 - min_progress * |L0|``
+        cold:            ``sustain_cold`` high points in a row, learning or not
+
+    An early transient (large init, no warmup) that settles is shorter than ``sustain_cold``;
+    a run that never comes down is caught by the cold clause. Reported beside ``diverged``;
+    not part of it.
     """
-    _check_positive(n_initial=n_initial, factor=factor, sustain=sustain)
+    _check_positive(factor=factor, sustain=sustain, sustain_cold=sustain_cold)
     _check_positive(min_progress=min_progress)
     steps_N, values_N = _finite(*_as_series(steps, values))
-    if values_N.size <= n_initial:
+    if values_N.size < 2:
         return None
-    loss0 = float(values_N[:n_initial].mean())
-    high_N = values_N >= factor * loss0
-    run_N = pd.Series(high_N).rolling(sustain, min_periods=sustain).sum().to_numpy() == sustain
-    best_N = np.minimum.accumulate(np.concatenate([[np.inf], values_N[:-1]]))
-    learned_N = np.maximum.accumulate(best_N <= loss0 - min_progress * abs(loss0))
-    # The run of high points must start after the learning: shift "learned" by sustain - 1.
-    learned_before_run_N = np.concatenate(
-        [np.zeros(sustain - 1, bool), learned_N[: -(sustain - 1) or None]]
+    loss0 = float(values_N[0])
+    high = pd.Series(values_N >= factor * loss0)
+    ends_run_N = high.rolling(sustain, min_periods=sustain).sum().to_numpy() == sustain
+    ends_cold_N = (
+        high.rolling(sustain_cold, min_periods=sustain_cold).sum().to_numpy() == sustain_cold
     )
-    i = _first(run_N & learned_before_run_N[: run_N.size])
+    down_N = values_N <= loss0 - min_progress * abs(loss0)
+    down_N[0] = False  # the first point is L0 itself
+    came_down_N = np.maximum.accumulate(down_N)
+    # A run of high points ending at t starts at t - sustain + 1: it must follow the coming down.
+    start = np.arange(values_N.size) - (sustain - 1)
+    after_learning_N = ends_run_N & (start >= 1) & came_down_N[np.maximum(start - 1, 0)]
+    i = _first(after_learning_N | ends_cold_N)
     if i is None:
         return None
+    how = "after learning" if after_learning_N[i] else "from the start"
+    n = sustain if after_learning_N[i] else sustain_cold
     return Detection(
         "loss_blowup",
         int(steps_N[i]),
         float(values_N[i]),
-        f"loss >= {factor:g}x initial {loss0:.4g} for {sustain} logged points after learning",
+        f"loss >= {factor:g}x initial {loss0:.4g} for {n} logged points {how}",
     )
 
 

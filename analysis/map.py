@@ -10,7 +10,8 @@ pooled. Each arm dir gets one outcome:
     diverged      summary.json says so (the issue's rule: grad norm >= 10^3 x its earlier median
                   with the loss back at its start, or a non-finite loss/gradient)
     loss blow-up  not diverged, but ``detectors.loss_blowup`` fires on the logged loss
-                  (>= 2x its start for 5 logged points, after it had come down)
+                  (>= 2x its first value for 5 logged points after it had come down, or for
+                  50 in a row from the start)
     stable        finished without either
     unfinished    no summary.json, or stopped early without a divergence (interrupted)
 
@@ -22,6 +23,7 @@ map.png: the fraction of failed runs (diverged or blow-up) per setting and arm.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import warnings
 from pathlib import Path
@@ -50,14 +52,15 @@ OUTCOMES = ("diverged", "loss blow-up", "stable", "unfinished")
 
 
 def flatten(config: dict, prefix: str = "") -> dict:
-    """``{"model": {"d_model": 512}}`` -> ``{"model.d_model": 512}``."""
+    """``{"model": {"d_model": 512}}`` -> ``{"model.d_model": 512}``; lists become JSON text
+    (hashable, so they can group runs)."""
     out = {}
     for k, v in config.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
             out.update(flatten(v, f"{key}."))
         else:
-            out[key] = v
+            out[key] = json.dumps(v) if isinstance(v, (list, tuple)) else v
     return out
 
 

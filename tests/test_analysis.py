@@ -127,10 +127,15 @@ def test_loss_blowup_fires_on_a_sustained_blowup_after_learning_only():
     spike = loss.copy()
     spike[400:404] = 12 * loss0
     assert det.loss_blowup(steps, spike) is None
-    # A high start before any learning (large init) does not fire.
+    # A high start that settles (large init, no warmup) does not fire...
     early = loss.copy()
-    early[5:30] = 6 * loss0
+    early[1:30] = 6 * loss0
     assert det.loss_blowup(steps, early) is None
+    # ...but one that never comes down does, after sustain_cold points (50 by default).
+    cold = loss.copy()
+    cold[1:] = 6 * loss0
+    hit = det.loss_blowup(steps, cold)
+    assert hit is not None and hit.step == steps[50] and "from the start" in hit.detail
     with pytest.raises(ValueError, match="factor"):
         det.loss_blowup(steps, loss, factor=0)
 
@@ -495,7 +500,7 @@ def test_sweep_include_merges_an_earlier_table_new_runs_win(tmp_path):
 
 
 def test_stability_map_finds_the_setting_keys_and_counts_outcomes(tmp_path):
-    from stabilitylab.analysis.map import run_table, varying_keys, write_map
+    from stabilitylab.analysis.map import flatten, run_table, varying_keys, write_map
 
     n = 200
     for seed in (1, 2):
@@ -515,6 +520,7 @@ def test_stability_map_finds_the_setting_keys_and_counts_outcomes(tmp_path):
     # Seeds, arms and names differ between the runs, but only the learning rate is a setting.
     assert varying_keys([{"train": {"lr": 1, "seed": 1}, "arm": "a", "name": "x"},
                          {"train": {"lr": 2, "seed": 2}, "arm": "b", "name": "y"}]) == ["train.lr"]  # fmt: skip
+    assert flatten({"data": {"genes": [1, 2]}}) == {"data.genes": "[1, 2]"}
     runs, keys = run_table([tmp_path])
     assert keys == ["train.lr"]
     by = runs.set_index(["train.lr", "arm", "seed"])["outcome"]
