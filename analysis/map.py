@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from pathlib import Path
 
 import matplotlib
@@ -38,6 +37,7 @@ import pandas as pd  # noqa: E402
 from stabilitylab import tags  # noqa: E402
 from stabilitylab.analysis import detectors as det  # noqa: E402
 from stabilitylab.analysis import markdown  # noqa: E402
+from stabilitylab.analysis.cli import run_writer  # noqa: E402
 from stabilitylab.analysis.events import (  # noqa: E402
     discover,
     load_arm,
@@ -229,24 +229,13 @@ def write_map(paths: list[str | Path], out_dir: str | Path) -> dict[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from stabilitylab.analysis.report import one_line_warning
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "run_dirs", nargs="+", metavar="RUN_DIR", help="run dirs or folders of them"
     )
     parser.add_argument("--out", required=True, help="output folder")
     args = parser.parse_args(argv)
-    with warnings.catch_warnings():
-        warnings.showwarning = one_line_warning
-        try:
-            paths = write_map(args.run_dirs, args.out)
-        except (FileNotFoundError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    print(paths["map.md"].read_text())
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
+    return run_writer(lambda: write_map(args.run_dirs, args.out), "map.md")
 
 
 if __name__ == "__main__":

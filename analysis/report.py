@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from pathlib import Path
 
 import pandas as pd
 
 from stabilitylab.analysis import markdown, plots
+from stabilitylab.analysis.cli import run_writer
 from stabilitylab.analysis.events import discover, load_found, load_summary
 from stabilitylab.analysis.stats import SUMMARY_COLUMNS, arm_row
 
@@ -120,25 +120,12 @@ def _markdown(summary, early, notes, found) -> str:
     return "\n".join(lines)
 
 
-def one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    print(f"warning: {message}", file=sys.stderr)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="arm dir or paired run dir")
     parser.add_argument("--out", default=None, help="output folder (default RUN_DIR/report)")
     args = parser.parse_args(argv)
-    with warnings.catch_warnings():
-        warnings.showwarning = one_line_warning
-        try:
-            paths = write_report(args.run_dirs, args.out)
-        except (FileNotFoundError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    print(paths["report.md"].read_text())
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
+    return run_writer(lambda: write_report(args.run_dirs, args.out), "report.md")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import argparse
 import math
 import os
 import sys
-import warnings
 from pathlib import Path
 
 import matplotlib
@@ -38,6 +37,7 @@ import seaborn as sns  # noqa: E402
 
 from stabilitylab import tags  # noqa: E402
 from stabilitylab.analysis import markdown  # noqa: E402
+from stabilitylab.analysis.cli import run_writer  # noqa: E402
 from stabilitylab.analysis.early_warning import divergence_of  # noqa: E402
 from stabilitylab.analysis.events import (  # noqa: E402
     discover,
@@ -258,8 +258,6 @@ def write_sweep(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from stabilitylab.analysis.report import one_line_warning
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "run_dirs", nargs="+", metavar="RUN_DIR", help="run dirs or a folder of them"
@@ -269,16 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "--include", action="append", default=[], metavar="CSV", help="an earlier sweep.csv"
     )
     args = parser.parse_args(argv)
-    with warnings.catch_warnings():
-        warnings.showwarning = one_line_warning
-        try:
-            paths = write_sweep(args.run_dirs, args.out, args.include)
-        except (FileNotFoundError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    print(paths["sweep.md"].read_text())
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
+    return run_writer(lambda: write_sweep(args.run_dirs, args.out, args.include), "sweep.md")
 
 
 if __name__ == "__main__":

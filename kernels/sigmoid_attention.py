@@ -438,9 +438,8 @@ def sigmoid_attention(
     ``exact=True`` evaluates ``1/(1+exp(-x))``; the default uses the hardware tanh on CUDA for
     bf16/fp16 inputs. The output is a (B, H, T, D) view of (B, T, H, D) memory.
     """
-    check_attention_inputs({"q_BHTD": q_BHTD, "k_BHTD": k_BHTD, "v_BHTD": v_BHTD}, lengths_B, scale)
-    if bias is not None and not math.isfinite(float(bias)):
-        raise ValueError(f"bias must be a finite float or None, got {bias!r}")
+    named = {"q_BHTD": q_BHTD, "k_BHTD": k_BHTD, "v_BHTD": v_BHTD}
+    check_attention_inputs(named, lengths_B, scale, bias)
     scale = 1.0 / math.sqrt(q_BHTD.shape[-1]) if scale is None else float(scale)
     mode = EXACT if exact else default_fast_mode(q_BHTD.dtype)
     bias_f = 0.0 if bias is None else float(bias)

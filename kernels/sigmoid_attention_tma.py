@@ -127,9 +127,8 @@ def sigmoid_attention_fwd_tma(
 ) -> torch.Tensor:
     """``out_BHTD`` (a fresh contiguous tensor); no autograd, no max|logit|. Inputs as for
     ``sigmoid_attention``; on top, every (b, h) base and row stride must be 16-byte aligned (TMA)."""
-    check_attention_inputs({"q_BHTD": q_BHTD, "k_BHTD": k_BHTD, "v_BHTD": v_BHTD}, lengths_B, scale)
-    if bias is not None and not math.isfinite(float(bias)):
-        raise ValueError(f"bias must be a finite float or None, got {bias!r}")
+    named = {"q_BHTD": q_BHTD, "k_BHTD": k_BHTD, "v_BHTD": v_BHTD}
+    check_attention_inputs(named, lengths_B, scale, bias)
     q, k, v = (last_dim_contiguous(t.detach()) for t in (q_BHTD, k_BHTD, v_BHTD))
     B, H, T, D = q.shape
     size = q.element_size()

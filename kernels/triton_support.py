@@ -9,6 +9,7 @@ run the CPU-interpreted and the compiled kernel side by side (tests parametrize 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import weakref
 
@@ -54,13 +55,17 @@ def capability(device: torch.device) -> tuple[int, int]:
 
 
 def check_attention_inputs(
-    named: dict[str, torch.Tensor], lengths_B: torch.Tensor, scale: float | None
+    named: dict[str, torch.Tensor],
+    lengths_B: torch.Tensor,
+    scale: float | None,
+    bias: float | None = None,
 ) -> None:
     """Raise ``ValueError`` naming the first problem with ``q/k/v_BHTD`` and ``lengths_B``.
 
-    Checks rank, matching shapes, head dim, dtypes, devices, CPU-without-interpreter, and the
-    lengths' shape, dtype and range [1, T]. The range check costs one device sync per new lengths
-    tensor; it is skipped while ``torch.compile`` traces (a data-dependent branch breaks the graph).
+    Checks rank, matching shapes, head dim, dtypes, devices, CPU-without-interpreter, scale,
+    bias, and the lengths' shape, dtype and range [1, T]. The range check costs one device sync
+    per new lengths tensor; it is skipped while ``torch.compile`` traces (a data-dependent branch
+    breaks the graph).
     """
     first_name, first = next(iter(named.items()))
     for name, t in named.items():
@@ -106,6 +111,8 @@ def check_attention_inputs(
         isinstance(scale, (int, float)) and scale > 0 and scale < float("inf")
     ):
         raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
+    if bias is not None and not math.isfinite(float(bias)):
+        raise ValueError(f"bias must be a finite float or None, got {bias!r}")
     if B == 0 or T == 0:
         raise ValueError(f"empty input: B={B}, T={T}")
     if not torch.compiler.is_compiling():
