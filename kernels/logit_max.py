@@ -8,6 +8,7 @@ tiny ``amax`` finishes, so no atomics. Reference: ``kernels/reference.py::max_ab
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -62,7 +63,8 @@ def _max_abs_logit_kernel(
 INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
 
 
-def _configs(cap: tuple[int, int], fp32: bool = False) -> list[triton.Config]:
+@functools.cache  # called on every launch (the buffer size): build the list once
+def _configs(cap: tuple[int, int], fp32: bool = False) -> tuple[triton.Config, ...]:
     """float32 (a testing dtype) gets small tiles, as in sigmoid_attention.py."""
     if fp32:
         blocks = [(64, 32, 4, 2)]
@@ -70,10 +72,10 @@ def _configs(cap: tuple[int, int], fp32: bool = False) -> list[triton.Config]:
         blocks = [(128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3)]
     else:
         blocks = [(64, 64, 4, 2)]
-    return [
+    return tuple(
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
         for m, n, w, s in blocks
-    ]
+    )
 
 
 _TUNED: dict[tuple[tuple[int, int], bool], object] = {}
@@ -92,7 +94,7 @@ def _max_abs_logit_op(
         key = (capability(q.device), q.dtype == torch.float32)
         configs = _configs(*key)
         if key not in _TUNED:
-            _TUNED[key] = triton.autotune(configs=configs, key=["T_BUCKET", "HEAD_DIM"])(
+            _TUNED[key] = triton.autotune(configs=list(configs), key=["T_BUCKET", "HEAD_DIM"])(
                 compiled(_max_abs_logit_kernel)
             )
         launch, blocks = _TUNED[key], {}

@@ -28,6 +28,7 @@ leaves p no significant bits (max abs error 0.17 vs 0.004, docs/LOG.md).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -252,7 +253,8 @@ def _sigmoid_bwd_dkdv_kernel(
 INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
 
 
-def _configs(kind: str, cap: tuple[int, int], fp32: bool = False) -> list[triton.Config]:
+@functools.cache  # called on every forward (the max-logit buffer size): build the list once
+def _configs(kind: str, cap: tuple[int, int], fp32: bool = False) -> tuple[triton.Config, ...]:
     """``kind``: fwd (BLOCK_M queries x BLOCK_N keys per step), dq (same), dkdv (BLOCK_N keys fixed).
 
     float32 (a testing dtype) gets small tiles of its own: the 16-bit tiles at 4 bytes a value
@@ -272,10 +274,10 @@ def _configs(kind: str, cap: tuple[int, int], fp32: bool = False) -> list[triton
             "dq": [(64, 64, 4, 2), (64, 32, 4, 2)],
             "dkdv": [(32, 64, 4, 2), (64, 64, 4, 2)],
         }[kind]
-    return [
+    return tuple(
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
         for m, n, w, s in blocks
-    ]
+    )
 
 
 _TUNED: dict[tuple, object] = {}
@@ -289,7 +291,7 @@ def _launcher(kernel, kind: str, device: torch.device, dtype: torch.dtype):
     key = (kernel, cap, fp32)
     if key not in _TUNED:
         _TUNED[key] = triton.autotune(
-            configs=_configs(kind, cap, fp32), key=["T_BUCKET", "HEAD_DIM"]
+            configs=list(_configs(kind, cap, fp32)), key=["T_BUCKET", "HEAD_DIM"]
         )(compiled(kernel))
     return _TUNED[key], {}
 
