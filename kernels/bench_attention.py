@@ -7,8 +7,10 @@
 Grid: bf16, head dim 64/128, T = 1K..16K, 16,384 tokens per batch (B = 16384 / T), hidden 2048
 (H = 2048 / D), padding 0/25/50% (every sequence has L = (1 - p) T valid tokens). TFLOPS count
 valid tokens only: forward 4 H D sum(L^2), backward 2.5x forward; time = do_bench median (ms).
-``sigmoid-triton-tma(-ws)``: the experimental TMA forward (kernels/sigmoid_attention_tma.py), forward
-only, without / with warp specialisation. Softmax baselines get a key-padding mask where they support one (cuDNN: boolean mask; flash: none,
+``sigmoid-triton`` is the op as the model calls it (the forward picks TMA + lookahead where it can);
+``sigmoid-triton-plain / -tma / -lookahead`` force the forward's levers off / one on, to measure
+each (forward only: the backward does not change).
+Softmax baselines get a key-padding mask where they support one (cuDNN: boolean mask; flash: none,
 so padded rows are skipped; FlexAttention: a block mask that skips padded blocks). Expected on an
 H200 (shared/notes/kernel-levers.md): cuDNN ~445 fwd TFLOPS at hd64, ~600 at hd128.
 
@@ -34,17 +36,19 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stabilitylab.kernels import sigmoid_attention
 from stabilitylab.kernels.reference import key_mask_BT, sigmoid_attention_reference
-from stabilitylab.kernels.sigmoid_attention import EXACT, TANH_F32, _fwd_op
-from stabilitylab.kernels.sigmoid_attention_tma import sigmoid_attention_fwd_tma
+from stabilitylab.kernels.sigmoid_attention import EXACT, TANH_F32, _fwd_op, launch_forward
 
 TOKENS, HIDDEN = 16_384, 2048
-# tma-ws last: Triton's Hopper warp-specialisation pass has crash reports on attention loops
-# (triton-lang/triton#8260); an abort there then loses no other provider's rows (CSV is appended).
 PROVIDERS = [
-    "sigmoid-triton", "sigmoid-triton-exact", "sigmoid-triton-tma", "cudnn", "flash", "flex",
-    "eager-sigmoid", "sigmoid-triton-tma-ws",
+    "sigmoid-triton", "sigmoid-triton-exact", "sigmoid-triton-plain", "sigmoid-triton-tma",
+    "sigmoid-triton-lookahead", "cudnn", "flash", "flex", "eager-sigmoid",
 ]  # fmt: skip
-FORWARD_ONLY = {"sigmoid-triton-tma", "sigmoid-triton-tma-ws"}  # experimental, no backward
+# Forward levers forced (tma, lookahead): forward-only rows.
+LEVER_PROVIDERS = {
+    "sigmoid-triton-plain": (False, False),
+    "sigmoid-triton-tma": (True, False),
+    "sigmoid-triton-lookahead": (False, True),
+}
 
 
 def flops_fwd(H: int, D: int, lengths: list[int]) -> float:
@@ -71,9 +75,11 @@ def provider_fn(name: str, q, k, v, lengths_B) -> Callable[[], torch.Tensor] | N
         return lambda: sigmoid_attention(q, k, v, lengths_B)[0]
     if name == "sigmoid-triton-exact":
         return lambda: sigmoid_attention(q, k, v, lengths_B, exact=True)[0]
-    if name in FORWARD_ONLY:
-        ws = name.endswith("-ws")
-        return lambda: sigmoid_attention_fwd_tma(q, k, v, lengths_B, warp_specialize=ws)
+    if name in LEVER_PROVIDERS:
+        tma, lookahead = LEVER_PROVIDERS[name]
+        args = (lengths_B, 1 / math.sqrt(D), 0.0, True, TANH_F32, False)
+        qd, kd, vd = (t.detach() for t in (q, k, v))
+        return lambda: launch_forward(qd, kd, vd, *args, tma=tma, lookahead=lookahead)[0]
     if name == "cudnn":
         mask = valid_BT[:, None, None, :] if padded else None
 
@@ -119,7 +125,7 @@ def time_provider(name, q, k, v, lengths_B, bwd: bool) -> tuple[float, float]:
     out = fwd()  # compile / autotune outside the timed region
     ms_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
     ms_b = float("nan")
-    if bwd and name not in FORWARD_ONLY:
+    if bwd and name not in LEVER_PROVIDERS:
         g = torch.randn_like(out)
         grad = lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
         grad()
@@ -225,7 +231,7 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
     wide = df.assign(cell=df.apply(cell, axis=1), pad_pct=(df["pad"] * 100).round().astype(int))
     return wide.pivot_table(
         index=["D", "T", "pad_pct"], columns="provider", values="cell", aggfunc="first"
-    )[[p for p in PROVIDERS if p in set(df.provider)]].reset_index()
+    )[list(dict.fromkeys(df.provider))].reset_index()
 
 
 def markdown_table(df: pd.DataFrame) -> str:
@@ -254,10 +260,14 @@ def main(argv: list[str] | None = None) -> None:
         "--model-step", action="store_true", help="time the stress_8k Encoder step instead"
     )
     p.add_argument("--providers", nargs="+", default=PROVIDERS)
+    p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     p.add_argument("--seq-lens", nargs="+", type=int, help="override the T grid")
     p.add_argument("--paddings", nargs="+", type=float, help="override the padding grid")
     p.add_argument("--out", default=os.environ.get("OUT", "results/bench"))
     args = p.parse_args(argv)
+    unknown = [name for name in args.providers if name not in PROVIDERS]
+    if unknown:
+        p.error(f"unknown providers {unknown}; choose from {PROVIDERS}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
@@ -265,7 +275,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.model_step:
         df, name = bench_model_step(args), "model_step"
     else:
-        args.head_dims = [64, 128]
         quick_T, full_T = [4096, 16384], [1024, 2048, 4096, 8192, 16384]
         args.seq_lens = args.seq_lens or (quick_T if args.quick else full_T)
         args.paddings = args.paddings or ([0.0, 0.25] if args.quick else [0.0, 0.25, 0.5])

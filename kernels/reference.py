@@ -55,6 +55,28 @@ def sigmoid_attention_reference(
     return out_BHTD * valid_BT[:, None, :, None].to(out_BHTD.dtype)
 
 
+def softmax_attention_reference(
+    q_BHTD: torch.Tensor,
+    k_BHTD: torch.Tensor,
+    v_BHTD: torch.Tensor,
+    lengths_B: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``out = softmax(q k^T * scale) v`` over valid keys; padded query rows are zero.
+
+    The eager softmax arm: plain matmuls and softmax in the inputs' dtype, the n x n matrix
+    materialised. Unlike SDPA's fused backward (which accumulates with atomics), it is
+    bit-for-bit reproducible on a GPU, run to run.
+    """
+    B, H, T, D = q_BHTD.shape
+    scale = default_scale(D) if scale is None else scale
+    valid_BT = key_mask_BT(lengths_B, T)
+    s_BHTT = torch.matmul(q_BHTD, k_BHTD.transpose(-1, -2)) * scale
+    s_BHTT = s_BHTT.masked_fill(~valid_BT[:, None, None, :], float("-inf"))
+    out_BHTD = torch.matmul(torch.softmax(s_BHTT, dim=-1), v_BHTD)
+    return out_BHTD * valid_BT[:, None, :, None].to(out_BHTD.dtype)
+
+
 def max_abs_logit_reference(
     q_BHTD: torch.Tensor,
     k_BHTD: torch.Tensor,

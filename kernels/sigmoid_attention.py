@@ -19,6 +19,15 @@ drop out of P V, dP and |S| without an elementwise mask; a program whose tile is
 skips its loop (writes zeros) and the loops stop at the last valid tile, so work scales with
 sum(L^2), not B T^2.
 
+Forward levers (constexprs, measured in docs/BENCHMARKS.md): ``TMA`` loads tiles through one
+tensor descriptor per (b, h) over the valid rows (Hopper+, aligned strides; the hardware zero-fills
+past L_b, so no masks); ``LOOKAHEAD`` issues the scores of key tile j+1 before the sigmoid of tile j,
+so the special-function unit overlaps the tensor cores (one extra q k^T per query tile). Why it
+matters on an H200, per score: the two products cost 4 D flops (~990 TFLOPS dense bf16), the
+sigmoid one MUFU op (~3.9 T/s): at D = 64 the two take about as long, at D = 128 the MUFU half as
+long; run back to back they cap the forward near 500 and 650 TFLOPS. The backward kernels issue
+dP before the sigmoid for the same reason.
+
 Sigmoid modes (constexpr ``SIGMOID``): 0 exact ``1/(1+exp(-x))``; 1 ``0.5 tanh(x/2) + 0.5`` with
 ``tanh.approx.f32`` (one MUFU op, the default for 16-bit inputs). Inline PTX cannot run in the
 interpreter, so the launcher picks mode 0 there at call time. Not used: packed
@@ -59,8 +68,8 @@ def _sigmoid_fwd_kernel(
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
     H, T, T_BUCKET, mx_stride, scale, bias,
     HEAD_DIM: tl.constexpr, LOG_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
-    RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    LOOKAHEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -72,12 +81,24 @@ def _sigmoid_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     b64 = b.to(tl.int64)
-    q = tl.load(
-        Q + b64 * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :],
-        mask=offs_m[:, None] < L, other=0.0,
-    )  # fmt: skip
-    k_base = K + b64 * skb + h * skh + offs_d[None, :]
-    v_base = V + b64 * svb + h * svh + offs_d[None, :]
+    q_base = Q + b64 * sqb + h * sqh
+    k_base = K + b64 * skb + h * skh
+    v_base = V + b64 * svb + h * svh
+    if TMA:  # one descriptor per (b, h) over the L_b valid rows: the hardware zero-fills the rest
+        q_desc = tl.make_tensor_descriptor(
+            q_base, shape=[L, HEAD_DIM], strides=[sqt, 1], block_shape=[BLOCK_M, HEAD_DIM]
+        )
+        k_desc = tl.make_tensor_descriptor(
+            k_base, shape=[L, HEAD_DIM], strides=[skt, 1], block_shape=[BLOCK_N, HEAD_DIM]
+        )
+        v_desc = tl.make_tensor_descriptor(
+            v_base, shape=[L, HEAD_DIM], strides=[svt, 1], block_shape=[BLOCK_N, HEAD_DIM]
+        )
+        q = q_desc.load([start_m, 0])
+    else:
+        q = tl.load(
+            q_base + offs_m[:, None] * sqt + offs_d[None, :], mask=offs_m[:, None] < L, other=0.0
+        )
     bias_b = -tl.log(L.to(tl.float32)) if LOG_BIAS else bias
     # Modes 1/2 evaluate tanh(x/2): fold the 1/2 into the per-score multiply-add.
     if SIGMOID == 0:
@@ -88,16 +109,38 @@ def _sigmoid_fwd_kernel(
         c_s = 0.5 * bias_b
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     mx = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    qk = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     hi = tl.where(start_m < L, L, 0)
+    if LOOKAHEAD:  # scores of the first key tile, ahead of the loop
+        if TMA:
+            k0 = k_desc.load([0, 0])
+        else:
+            k0 = tl.load(k_base + offs_n[:, None] * skt + offs_d[None, :],
+                         mask=offs_n[:, None] < L, other=0.0)  # fmt: skip
+        qk = tl.dot(q, tl.trans(k0), input_precision=DOT_PRECISION)
     for start_n in range(0, hi, BLOCK_N):
-        rows_n = start_n + offs_n
-        kv_mask = rows_n[:, None] < L
-        k = tl.load(k_base + rows_n[:, None] * skt, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + rows_n[:, None] * svt, mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        # LOOKAHEAD: load key tile j+1 and issue its scores (an asynchronous wgmma on Hopper)
+        # before the sigmoid of tile j, so the MUFU works while the tensor cores do. The tile
+        # past the last valid key is all zeros; its scores are discarded.
+        n_k = start_n + BLOCK_N if LOOKAHEAD else start_n
+        if TMA:
+            k = k_desc.load([n_k, 0])
+            v = v_desc.load([start_n, 0])
+        else:
+            rows_k = n_k + offs_n
+            rows_v = start_n + offs_n
+            k = tl.load(k_base + rows_k[:, None] * skt + offs_d[None, :],
+                        mask=rows_k[:, None] < L, other=0.0)  # fmt: skip
+            v = tl.load(v_base + rows_v[:, None] * svt + offs_d[None, :],
+                        mask=rows_v[:, None] < L, other=0.0)  # fmt: skip
+        if LOOKAHEAD:
+            qk_now = qk
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        else:
+            qk_now = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if RETURN_MAX:
-            mx = tl.maximum(mx, tl.max(tl.abs(qk), axis=1))
-        x = qk * a_s + c_s
+            mx = tl.maximum(mx, tl.max(tl.abs(qk_now), axis=1))
+        x = qk_now * a_s + c_s
         if SIGMOID == 0:
             p = (1.0 / (1.0 + tl.exp(-x))).to(v.dtype)
         else:
@@ -160,6 +203,9 @@ def _sigmoid_bwd_dq_kernel(
         k = tl.load(k_base + rows_n[:, None] * skt, mask=kv_mask, other=0.0)
         v = tl.load(v_base + rows_n[:, None] * svt, mask=kv_mask, other=0.0)
         x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * a_s + c_s
+        # dp is issued before the sigmoid, which needs only x: the MUFU can overlap its wgmma.
+        # Padded keys have v = 0, hence dp = 0 and ds = 0: no mask needed.
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if SIGMOID == 0:
             p = 1.0 / (1.0 + tl.exp(-x))
         else:
@@ -167,8 +213,6 @@ def _sigmoid_bwd_dq_kernel(
                 "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
             )
             p = 0.5 * t + 0.5
-        # Padded keys have v = 0, hence dp = 0 and ds = 0: no mask needed.
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (1.0 - p) * dp
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     tl.store(
@@ -222,6 +266,8 @@ def _sigmoid_bwd_dkdv_kernel(
         do = tl.load(do_base + rows_m[:, None] * sdot, mask=q_mask, other=0.0)
         # Transposed scores (keys x queries) so that P^T and dS^T feed the dots without a transpose.
         x_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * a_s + c_s
+        # dP^T first (it needs no P), so its wgmma can run while the MUFU evaluates the sigmoid.
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if SIGMOID == 0:
             p_t = 1.0 / (1.0 + tl.exp(-x_t))
         else:
@@ -231,7 +277,6 @@ def _sigmoid_bwd_dkdv_kernel(
             p_t = 0.5 * t + 0.5
         # Padded queries have dO = 0: their columns add nothing to dV or dS^T.
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (1.0 - p_t) * dp_t
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     valid = offs_n[:, None] < L
@@ -290,8 +335,9 @@ def _launcher(kernel, kind: str, device: torch.device, dtype: torch.dtype):
     cap, fp32 = capability(device), dtype == torch.float32
     key = (kernel, cap, fp32)
     if key not in _TUNED:
+        levers = ["TMA", "LOOKAHEAD"] if kind == "fwd" else []
         _TUNED[key] = triton.autotune(
-            configs=list(_configs(kind, cap, fp32)), key=["T_BUCKET", "HEAD_DIM"]
+            configs=list(_configs(kind, cap, fp32)), key=["T_BUCKET", "HEAD_DIM", *levers]
         )(compiled(kernel))
     return _TUNED[key], {}
 
@@ -322,20 +368,45 @@ def _empty_bthd_as_bhtd(like: torch.Tensor) -> torch.Tensor:
 # reasons not pinned down (docs/LOG.md); an opaque op gives that up for certainty.
 
 
-@torch.library.custom_op("stabilitylab::sigmoid_attention_fwd", mutates_args=())
-def _fwd_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    lengths: torch.Tensor,
-    scale: float,
-    bias: float,
-    log_bias: bool,
-    sigmoid: int,
-    return_max: bool,
+def _device_allocator(size: int, alignment: int, stream) -> torch.Tensor:
+    """Scratch for the tensor descriptors the forward builds on the device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors for these (B, H, T, D) tensors: Hopper or newer (or the interpreter), and
+    every (b, h) base and row stride 16-byte aligned (the model's packed qkv views are)."""
+    t0 = tensors[0]
+    if not interpreting() and capability(t0.device)[0] < 9:
+        return False
+    size = t0.element_size()
+    return all(
+        t.data_ptr() % 16 == 0 and all((st * size) % 16 == 0 for st in t.stride()[:3])
+        for t in tensors
+    )
+
+
+TMA_MIN_T = 4096
+
+
+def use_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The op's choice: TMA loads from T = 4096 up, where they beat pointer loads; below, building
+    a descriptor per program costs more than it saves, most of all under heavy padding (H200,
+    2026-11-29: T = 2048 with 50% padding, head dim 128: 212 vs 377 TFLOPS; docs/BENCHMARKS.md)."""
+    return q.shape[2] >= TMA_MIN_T and tma_ok(q, k, v)
+
+
+def launch_forward(
+    q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, *, tma: bool, lookahead: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel with the levers given (the op picks them; the benchmark forces
+    them to measure each): ``tma`` tensor-descriptor loads, ``lookahead`` next-tile scores."""
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     B, H, T, D = q.shape
+    if tma and not tma_ok(q, k, v):
+        raise ValueError("tma: needs sm90+ and 16-byte aligned (b, h, t) strides and bases")
+    if tma and not interpreting():
+        triton.set_allocator(_device_allocator)
     out = _empty_bthd_as_bhtd(q)
     launch, blocks = _launcher(_sigmoid_fwd_kernel, "fwd", q.device, q.dtype)
     # Sized for the smallest BLOCK_M of any config; programs that do not exist leave a neutral 0.
@@ -351,15 +422,15 @@ def _fwd_op(
         q, k, v, out, mx, lengths,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
         H, T, seq_bucket(T), n_mx, scale, bias,
-        RETURN_MAX=return_max, **_common_args(D, q.dtype, log_bias, sigmoid), **blocks,
+        RETURN_MAX=return_max, TMA=tma, LOOKAHEAD=lookahead,
+        **_common_args(D, q.dtype, log_bias, sigmoid), **blocks,
     )  # fmt: skip
     max_bh = mx.amax(dim=1).view(B, H) if return_max else mx.new_empty(0)
     return out, max_bh
 
 
-@torch.library.custom_op("stabilitylab::sigmoid_attention_bwd", mutates_args=())
-def _bwd_op(
-    do: torch.Tensor,
+@torch.library.custom_op("stabilitylab::sigmoid_attention_fwd", mutates_args=())
+def _fwd_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -368,7 +439,17 @@ def _bwd_op(
     bias: float,
     log_bias: bool,
     sigmoid: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return_max: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    return launch_forward(
+        q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max,
+        tma=use_tma(q, k, v), lookahead=True,
+    )  # fmt: skip
+
+
+def launch_backward(do, q, k, v, lengths, scale, bias, log_bias, sigmoid):
+    """Launch the dQ and the dK/dV kernels: ``(dq, dk, dv)``."""
     do, q, k, v = (last_dim_contiguous(t) for t in (do, q, k, v))
     B, H, T, D = q.shape
     dq, dk, dv = (_empty_bthd_as_bhtd(t) for t in (q, k, v))
@@ -386,6 +467,21 @@ def _bwd_op(
         H, T, seq_bucket(T), scale, bias, **common, **blocks,
     )  # fmt: skip
     return dq, dk, dv
+
+
+@torch.library.custom_op("stabilitylab::sigmoid_attention_bwd", mutates_args=())
+def _bwd_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    bias: float,
+    log_bias: bool,
+    sigmoid: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return launch_backward(do, q, k, v, lengths, scale, bias, log_bias, sigmoid)
 
 
 @_fwd_op.register_fake
@@ -413,6 +509,30 @@ def _backward(ctx, d_out, _d_max):
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerSigmoidAttention(torch.autograd.Function):
+    """The same launches as the ops, for eager mode: a custom op's Python dispatch and autograd
+    wrapper cost ~250 us of host time per call on the H200 host (docs/BENCHMARKS.md), which shows
+    whenever a kernel is that short (T <= 1K, or heavy padding)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max):
+        q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+        out, max_bh = launch_forward(
+            q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max,
+            tma=use_tma(q, k, v), lookahead=True,
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, lengths)
+        ctx.args = (scale, bias, log_bias, sigmoid)
+        ctx.mark_non_differentiable(max_bh)
+        return out, max_bh
+
+    @staticmethod
+    def backward(ctx, d_out, _d_max):
+        q, k, v, lengths = ctx.saved_tensors
+        dq, dk, dv = launch_backward(d_out, q, k, v, lengths, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ---- public function ---------------------------------------------------------------------------
@@ -445,7 +565,9 @@ def sigmoid_attention(
     scale = 1.0 / math.sqrt(q_BHTD.shape[-1]) if scale is None else float(scale)
     mode = EXACT if exact else default_fast_mode(q_BHTD.dtype)
     bias_f = 0.0 if bias is None else float(bias)
-    out_BHTD, max_BH = _fwd_op(
+    # Under torch.compile the opaque custom op (no graph break); in eager the cheaper Function.
+    fn = _fwd_op if torch.compiler.is_compiling() else _EagerSigmoidAttention.apply
+    out_BHTD, max_BH = fn(
         q_BHTD, k_BHTD, v_BHTD, lengths_B, scale, bias_f, bias is None, mode, return_max_logit
     )
     return out_BHTD, (max_BH.detach() if return_max_logit else None)

@@ -13,7 +13,9 @@ Every backend is called as::
   detached), else ``None``. The backend returns it so a fused kernel can produce it for free.
 
 Backends: ``softmax`` (PyTorch SDPA with a key-padding mask: the machine's best fused kernel
-serves), ``sigmoid-reference`` (plain PyTorch, n x n), ``sigmoid-triton`` (stabilitylab.kernels).
+serves), ``softmax-reference`` and ``sigmoid-reference`` (plain PyTorch, n x n: slow, but
+reproducible bit for bit on a GPU, which SDPA's backward is not), ``sigmoid-triton``
+(stabilitylab.kernels).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from stabilitylab.kernels.reference import (
     key_mask_BT,
     max_abs_logit_reference,
     sigmoid_attention_reference,
+    softmax_attention_reference,
 )
 
 AttentionResult = tuple[torch.Tensor, torch.Tensor | None]
@@ -73,6 +76,15 @@ def softmax_sdpa(q_BHTD, k_BHTD, v_BHTD, lengths_B, *, sigmoid_bias=None, return
             q_BHTD, k_BHTD, v_BHTD, attn_mask=valid_BT[:, None, None, :]
         )
     out_BHTD = out_BHTD * valid_BT[:, None, :, None].to(out_BHTD.dtype)
+    stats = max_abs_logit(q_BHTD, k_BHTD, lengths_B) if return_max_logit else None
+    return out_BHTD, stats
+
+
+@register("softmax-reference")
+def softmax_reference(
+    q_BHTD, k_BHTD, v_BHTD, lengths_B, *, sigmoid_bias=None, return_max_logit=False
+):
+    out_BHTD = softmax_attention_reference(q_BHTD, k_BHTD, v_BHTD, lengths_B)
     stats = max_abs_logit(q_BHTD, k_BHTD, lengths_B) if return_max_logit else None
     return out_BHTD, stats
 

@@ -196,6 +196,9 @@ class Config:
     arm: Literal["both", "softmax", "sigmoid"] = "both"
     sigmoid_backend: Literal["auto", "sigmoid-reference", "sigmoid-triton"] = "auto"
     """auto: sigmoid-triton on CUDA, sigmoid-reference on CPU."""
+    softmax_backend: Literal["softmax", "softmax-reference"] = "softmax"
+    """softmax: PyTorch SDPA (fast; its GPU backward is not bit-reproducible run to run);
+    softmax-reference: eager n x n (reproducible)."""
     resume: bool = True
     """Continue from <run dir>/checkpoints/last.pt when it exists."""
     allow_cpu: bool = False
@@ -224,7 +227,7 @@ class Config:
 
     def backend_for(self, arm: str, cuda: bool) -> str:
         if arm == "softmax":
-            return "softmax"
+            return self.softmax_backend
         if self.sigmoid_backend == "auto":
             return "sigmoid-triton" if cuda else "sigmoid-reference"
         return self.sigmoid_backend
@@ -323,14 +326,16 @@ def diverge_fast() -> Config:
     would shrink every weight 1% per step and cap the logit growth (the paper's 1e-4 x 0.1 does
     not); at the proxy's wd 0.1 no softmax run diverged up to lr 0.3.
 
-    Measured on the H200 (docs/RESULTS.md, section 3; sigmoid through the eager reference, as
-    here; each arm its own process, 4-20 runs sharing the GPU): seeds 1, 2, 3 -> softmax diverged
-    at steps 620, 589, 576 (grad norm 9e10x, 2e4x the earlier median, and non-finite); sigmoid
-    ran all 1,000 steps without a detector firing (seed 3 ended at its initial loss).
+    Both arms run through the eager n x n references, which are reproducible bit for bit on a
+    GPU. With SDPA, softmax's backward differs in the last bits run to run, and at lr 0.1 those
+    bits decide whether a run diverges: seed 1 diverged in 3 of 6 SDPA runs, all seeds in 8 of 12
+    (docs/RESULTS.md, section 3). Eager, on the H200: seed 1 -> softmax diverges at step 665 in 2
+    of 2 runs; seed 3 at 281; seed 2 runs its 1,000 steps. Sigmoid (seeds 1-3) ran all 1,000
+    steps without the divergence rule firing; seed 3's loss blew up (``loss_blowup``).
     """
     cfg = proxy()
     cfg.preset, cfg.name = "diverge_fast", "diverge_fast"
-    cfg.sigmoid_backend = "sigmoid-reference"
+    cfg.sigmoid_backend, cfg.softmax_backend = "sigmoid-reference", "softmax-reference"
     m = cfg.model
     m.n_layers, m.d_model, m.n_heads, m.d_ff = 8, 512, 8, 2048
     cfg.train.lr, cfg.train.weight_decay, cfg.train.seed = 0.1, 0.0, 1

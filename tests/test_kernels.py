@@ -12,6 +12,7 @@ kernels must never read them. Inputs are drawn fresh per test; the seed is print
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -258,34 +259,65 @@ def test_torch_compile_fullgraph_no_break(backend, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("warp_specialize", [False, pytest.param(True, marks=gpu)])
-def test_tma_forward_matches_reference(device, dtype, warp_specialize):
-    """The experimental TMA forward (kernels/sigmoid_attention_tma.py): same criterion, odd
-    lengths, length 1 and all-but-one padding, model-layout (gapped) views."""
-    from stabilitylab.kernels.sigmoid_attention_tma import sigmoid_attention_fwd_tma
+@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
+@pytest.mark.parametrize("lookahead", [False, True], ids=["plain", "lookahead"])
+def test_forward_levers_match_reference(device, dtype, tma, lookahead):
+    """Each forward lever alone and together (the op picks tma+lookahead where it can), with the
+    fused max|logit|: same criterion, odd lengths, length 1 and all-but-one padding, gapped
+    views with NaN padding."""
+    from stabilitylab.kernels.sigmoid_attention import TANH_F32, default_fast_mode, launch_forward
 
     if device == "cpu" and dtype == torch.bfloat16:
         pytest.skip("bf16 tl.dot is wrong in the CPU interpreter")
-    if device == "cpu" and warp_specialize:
-        pytest.skip("warp specialisation is a compiled-kernel option")
     gen = _generator(device)
+    mode = default_fast_mode(dtype) if device == "cuda" else TANH_F32  # interpreter: exact
     for D in (64, 128):
         for T, lengths in SHAPES[device].values():
             B = len(lengths)
-            (q, k, v), (qd, kd, vd), lengths_B = _inputs(B, 2, T, D, lengths, dtype, device, gen)
-            out = sigmoid_attention_fwd_tma(qd, kd, vd, lengths_B, warp_specialize=warp_specialize)
+            (q, k, v), (qn, kn, vn), lengths_B = _inputs(B, 2, T, D, lengths, dtype, device, gen)
+            args = (lengths_B, 1 / math.sqrt(D), 0.0, True, mode, True)
+            out, max_BH = launch_forward(qn, kn, vn, *args, tma=tma, lookahead=lookahead)
             ref64 = sigmoid_attention_reference(q.double(), k.double(), v.double(), lengths_B)
             ref_t = sigmoid_attention_reference(q, k, v, lengths_B)
-            assert _err(out, ref64) <= 2 * _err(ref_t, ref64) + ATOL[dtype], (D, T, lengths)
+            where = (D, T, lengths)
+            assert _err(out, ref64) <= 2 * _err(ref_t, ref64) + ATOL[dtype], where
+            max_ref = max_abs_logit_reference(q.double(), k.double(), lengths_B)
+            torch.testing.assert_close(
+                max_BH.double(), max_ref.double(), rtol=1e-4, atol=1e-5, msg=str(where)
+            )
 
 
-def test_tma_forward_refuses_unaligned_strides(monkeypatch):
-    from stabilitylab.kernels.sigmoid_attention_tma import sigmoid_attention_fwd_tma
+def test_custom_op_path_equals_the_eager_function(device):
+    """torch.compile goes through the custom ops, eager through an autograd.Function: both must
+    launch the same kernels, so outputs, max|logit| and gradients agree bit for bit."""
+    from stabilitylab.kernels.sigmoid_attention import _EagerSigmoidAttention, _fwd_op
+
+    gen = _generator(device)
+    T, lengths = SHAPES[device]["odd"]
+    _, (qn, kn, vn), lengths_B = _inputs(2, 2, T, 64, lengths, torch.float16, device, gen)
+    g = torch.randn(qn.shape, generator=gen, device=device).to(qn.dtype)
+    args = (lengths_B, 0.125, 0.0, True, 0, True)
+    results = []
+    for fn in (_fwd_op, _EagerSigmoidAttention.apply):
+        leaves = [t.detach().clone().requires_grad_() for t in (qn, kn, vn)]
+        out, max_BH = fn(*leaves, *args)
+        results.append((out, max_BH, *torch.autograd.grad(out, leaves, g)))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_tma_refuses_unaligned_strides_and_the_op_falls_back(monkeypatch):
+    from stabilitylab.kernels.sigmoid_attention import launch_forward, tma_ok
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     x = torch.randn(1, 2, 33, 65)[..., :64]  # row stride 65 floats = 260 bytes
+    lengths = torch.tensor([33])
+    assert not tma_ok(x, x, x) and tma_ok(*(t.contiguous() for t in (x, x, x)))
     with pytest.raises(ValueError, match="16-byte"):
-        sigmoid_attention_fwd_tma(x, x, x, torch.tensor([33]))
+        launch_forward(x, x, x, lengths, 0.125, 0.0, True, 0, False, tma=True, lookahead=True)
+    out, _ = sigmoid_attention(x, x, x, lengths)  # the op takes pointer loads instead
+    ref = sigmoid_attention_reference(x.double(), x.double(), x.double(), lengths)
+    assert _err(out, ref) <= 1e-4
 
 
 def test_autotune_choices_name_kernel_key_and_config():

@@ -170,7 +170,7 @@ def batch(lengths: list[int], T: int = 20):
     return tokens_BT.masked_fill(torch.arange(T)[None] >= lengths_B[:, None], 0), lengths_B
 
 
-@pytest.mark.parametrize("backend", ["softmax", "sigmoid-reference"])
+@pytest.mark.parametrize("backend", ["softmax", "softmax-reference", "sigmoid-reference"])
 @pytest.mark.parametrize("was_training", [True, False])
 def test_live_probe_leaves_training_state_unchanged(backend, was_training):
     model = tiny_model(backend)
@@ -201,7 +201,7 @@ def test_live_probe_leaves_training_state_unchanged(backend, was_training):
     assert all(math.isfinite(s) and s > 0 for s in sigmas.values())
 
 
-@pytest.mark.parametrize("backend", ["softmax", "sigmoid-reference"])
+@pytest.mark.parametrize("backend", ["softmax", "softmax-reference", "sigmoid-reference"])
 @pytest.mark.parametrize("qk_layernorm", [False, True])
 def test_live_probe_matches_exact_jacobian_of_each_layer(backend, qk_layernorm):
     model = tiny_model(backend, qk_layernorm).eval()
@@ -224,6 +224,14 @@ def test_live_probe_matches_exact_jacobian_of_each_layer(backend, qk_layernorm):
                 J = exact_jacobian(fn, inputs[i][s : s + 1, :L])
             exact = max(exact, spectral_norm(J))
         assert sigmas[i] == pytest.approx(exact, rel=0.01)
+
+
+def test_every_attention_backend_has_a_differentiable_path():
+    from probes.live import _DIFFERENTIABLE_BACKEND
+    from stabilitylab.attention import available
+
+    assert set(available()) <= set(_DIFFERENTIABLE_BACKEND)
+    assert set(_DIFFERENTIABLE_BACKEND.values()) <= set(available())
 
 
 def test_live_probe_cadence():
