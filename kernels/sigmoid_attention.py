@@ -429,6 +429,15 @@ def launch_forward(
     return out, max_bh
 
 
+def forward_auto(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max):
+    """The forward with the op's lever choice (TMA from T = 4096 where possible, lookahead)."""
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    return launch_forward(
+        q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max,
+        tma=use_tma(q, k, v), lookahead=True,
+    )  # fmt: skip
+
+
 @torch.library.custom_op("stabilitylab::sigmoid_attention_fwd", mutates_args=())
 def _fwd_op(
     q: torch.Tensor,
@@ -441,11 +450,7 @@ def _fwd_op(
     sigmoid: int,
     return_max: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    return launch_forward(
-        q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max,
-        tma=use_tma(q, k, v), lookahead=True,
-    )  # fmt: skip
+    return forward_auto(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max)
 
 
 def launch_backward(do, q, k, v, lengths, scale, bias, log_bias, sigmoid):
@@ -518,11 +523,7 @@ class _EagerSigmoidAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max):
-        q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-        out, max_bh = launch_forward(
-            q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max,
-            tma=use_tma(q, k, v), lookahead=True,
-        )  # fmt: skip
+        out, max_bh = forward_auto(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max)
         ctx.save_for_backward(q, k, v, lengths)
         ctx.args = (scale, bias, log_bias, sigmoid)
         ctx.mark_non_differentiable(max_bh)
