@@ -20,7 +20,10 @@ from kernels.bench_attention import make_inputs
 from stabilitylab.kernels import sigmoid_attention
 from stabilitylab.kernels.sigmoid_attention import TANH_F32, launch_forward
 
-SHAPES = [(64, 1024, 0.0), (64, 4096, 0.5), (128, 4096, 0.5), (128, 1024, 0.0), (128, 8192, 0.0)]
+SHAPES = [
+    (64, 1024, 0.0), (64, 4096, 0.5), (128, 4096, 0.5), (128, 1024, 0.0), (128, 8192, 0.0),
+    (64, 16384, 0.0),
+]  # fmt: skip
 
 
 def host_us(fn, n: int = 200) -> float:

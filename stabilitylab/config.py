@@ -329,8 +329,8 @@ def diverge_fast() -> Config:
     Both arms run through the eager n x n references, which are reproducible bit for bit on a
     GPU. With SDPA, softmax's backward differs in the last bits run to run, and at lr 0.1 those
     bits decide whether a run diverges: seed 1 diverged in 3 of 6 SDPA runs, all seeds in 8 of 12
-    (docs/RESULTS.md, section 3). Eager, on the H200: seed 1 -> softmax diverges at step 665 in 2
-    of 2 runs; seed 3 at 281; seed 2 runs its 1,000 steps. Sigmoid (seeds 1-3) ran all 1,000
+    (docs/RESULTS.md, section 3). Eager, on the H200: seed 1 -> softmax diverges at step 665 in 3
+    of 3 runs (bit-identical curves); seed 3 at 281; seed 2 runs its 1,000 steps. Sigmoid (seeds 1-3) ran all 1,000
     steps without the divergence rule firing; seed 3's loss blew up (``loss_blowup``).
     """
     cfg = proxy()

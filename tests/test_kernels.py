@@ -262,8 +262,8 @@ def test_torch_compile_fullgraph_no_break(backend, monkeypatch):
 @pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
 @pytest.mark.parametrize("lookahead", [False, True], ids=["plain", "lookahead"])
 def test_forward_levers_match_reference(device, dtype, tma, lookahead):
-    """Each forward lever alone and together (the op picks tma+lookahead where it can), with the
-    fused max|logit|: same criterion, odd lengths, length 1 and all-but-one padding, gapped
+    """Each forward lever alone and together (the op takes lookahead, plus TMA from T = 4096 where
+    aligned), with the fused max|logit|: same criterion, odd lengths, length 1 and all-but-one padding, gapped
     views with NaN padding."""
     from stabilitylab.kernels.sigmoid_attention import TANH_F32, default_fast_mode, launch_forward
 
@@ -307,15 +307,20 @@ def test_custom_op_path_equals_the_eager_function(device):
 
 
 def test_tma_refuses_unaligned_strides_and_the_op_falls_back(monkeypatch):
-    from stabilitylab.kernels.sigmoid_attention import launch_forward, tma_ok
+    import importlib
 
+    sa = importlib.import_module("stabilitylab.kernels.sigmoid_attention")  # the module
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     x = torch.randn(1, 2, 33, 65)[..., :64]  # row stride 65 floats = 260 bytes
+    xc = x.contiguous()
     lengths = torch.tensor([33])
-    assert not tma_ok(x, x, x) and tma_ok(*(t.contiguous() for t in (x, x, x)))
+    assert not sa.tma_ok(x, x, x) and sa.tma_ok(xc, xc, xc)
+    assert not sa.use_tma(xc, xc, xc), "T = 33 is below TMA_MIN_T: pointer loads"
     with pytest.raises(ValueError, match="16-byte"):
-        launch_forward(x, x, x, lengths, 0.125, 0.0, True, 0, False, tma=True, lookahead=True)
-    out, _ = sigmoid_attention(x, x, x, lengths)  # the op takes pointer loads instead
+        sa.launch_forward(x, x, x, lengths, 0.125, 0.0, True, 0, False, tma=True, lookahead=True)
+    monkeypatch.setattr(sa, "TMA_MIN_T", 1)  # the op would now take TMA wherever it can
+    assert sa.use_tma(xc, xc, xc) and not sa.use_tma(x, x, x)
+    out, _ = sigmoid_attention(x, x, x, lengths)  # unaligned: the op takes pointer loads
     ref = sigmoid_attention_reference(x.double(), x.double(), x.double(), lengths)
     assert _err(out, ref) <= 1e-4
 
