@@ -7,7 +7,7 @@
 Grid: bf16, head dim 64/128, T = 1K..16K, 16,384 tokens per batch (B = 16384 / T), hidden 2048
 (H = 2048 / D), padding 0/25/50% (every sequence has L = (1 - p) T valid tokens). TFLOPS count
 valid tokens only: forward 4 H D sum(L^2), backward 2.5x forward; time = do_bench median (ms).
-``sigmoid-triton`` is the op as the model calls it (the forward picks TMA + lookahead where it can);
+``sigmoid-triton`` is the op as the model calls it (lookahead always, TMA from T = 4096 if aligned);
 ``sigmoid-triton-plain / -tma / -lookahead`` force the forward's levers off / one on, to measure
 each (forward only: the backward does not change).
 Softmax baselines get a key-padding mask where they support one (cuDNN: boolean mask; flash: none,
