@@ -12,7 +12,10 @@ Maths of the backward (P = sigmoid(S), S = scale q k^T + b):
     dV = P^T dO,   dP = dO V^T,   dS = P (1 - P) dP,   dQ = scale dS K,   dK = scale dS^T Q
 Sigmoid needs no row statistics (softmax needs its log-sum-exp), so both backward kernels simply
 recompute S tile by tile; dQ runs over query tiles, dK/dV over key tiles: no atomics, nothing
-n x n stored.
+n x n stored. The price: S and dP are computed in both, 7 matrix products per tile pair where
+softmax kernels with dQ atomics run 5 (docs/BENCHMARKS.md, "The backward"). In the tanh mode,
+P (1 - P) = (1 - t^2) / 4 with t = tanh(x / 2): dS is formed from t and the 1/4 rides on the
+output scale, so the dQ kernel never forms P.
 
 Padding costs nothing: padded rows of q/k/v/dO are loaded as zeros, which makes every padded pair
 drop out of P V, dP and |S| without an elementwise mask; a program whose tile is wholly padding
@@ -25,8 +28,9 @@ past L_b, so no masks); ``LOOKAHEAD`` issues the scores of key tile j+1 before t
 so the special-function unit overlaps the tensor cores (one extra q k^T per query tile). Why it
 matters on an H200, per score: the two products cost 4 D flops (~990 TFLOPS dense bf16), the
 sigmoid one MUFU op (~3.9 T/s): at D = 64 the two take about as long, at D = 128 the MUFU half as
-long; run back to back they cap the forward near 500 and 650 TFLOPS. The backward kernels issue
-dP before the sigmoid for the same reason.
+long; run back to back they cap the forward near 500 and 650 TFLOPS. The backward kernels take
+the same two constexprs (``BWD_LEVERS`` holds the op's choice: TMA in the dK/dV kernel only,
+from T = 4096; lookahead off, it cost 25-30% there) and issue dP before the sigmoid.
 
 Sigmoid modes (constexpr ``SIGMOID``): 0 exact ``1/(1+exp(-x))``; 1 ``0.5 tanh(x/2) + 0.5`` with
 ``tanh.approx.f32`` (one MUFU op, the default for 16-bit inputs). Inline PTX cannot run in the
@@ -46,9 +50,9 @@ import triton.language as tl
 
 from stabilitylab.kernels.reference import sigmoid_attention_reference  # noqa: F401  (the maths)
 from stabilitylab.kernels.triton_support import (
+    Tuned,
     capability,
     check_attention_inputs,
-    compiled,
     interpreted,
     interpreting,
     last_dim_contiguous,
@@ -169,7 +173,8 @@ def _sigmoid_bwd_dq_kernel(
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot, sdqb, sdqh, sdqt,
     H, T, T_BUCKET, scale, bias,
     HEAD_DIM: tl.constexpr, LOG_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LOOKAHEAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -181,17 +186,10 @@ def _sigmoid_bwd_dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     b64 = b.to(tl.int64)
-    row_mask = offs_m[:, None] < L
-    q = tl.load(
-        Q + b64 * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :], mask=row_mask, other=0.0
-    )
-    do = tl.load(
-        DO + b64 * sdob + h * sdoh + offs_m[:, None] * sdot + offs_d[None, :],
-        mask=row_mask,
-        other=0.0,
-    )
-    k_base = K + b64 * skb + h * skh + offs_d[None, :]
-    v_base = V + b64 * svb + h * svh + offs_d[None, :]
+    q_base = Q + b64 * sqb + h * sqh
+    do_base = DO + b64 * sdob + h * sdoh
+    k_base = K + b64 * skb + h * skh
+    v_base = V + b64 * svb + h * svh
     bias_b = -tl.log(L.to(tl.float32)) if LOG_BIAS else bias
     if SIGMOID == 0:
         a_s = scale
@@ -200,28 +198,69 @@ def _sigmoid_bwd_dq_kernel(
         a_s = 0.5 * scale
         c_s = 0.5 * bias_b
     dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    hi = tl.where(start_m < L, L, 0)
-    for start_n in range(0, hi, BLOCK_N):
-        rows_n = start_n + offs_n
-        kv_mask = rows_n[:, None] < L
-        k = tl.load(k_base + rows_n[:, None] * skt, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + rows_n[:, None] * svt, mask=kv_mask, other=0.0)
-        x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * a_s + c_s
-        # dp is issued before the sigmoid, which needs only x: the MUFU can overlap its wgmma.
-        # Padded keys have v = 0, hence dp = 0 and ds = 0: no mask needed.
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        if SIGMOID == 0:
-            p = 1.0 / (1.0 + tl.exp(-x))
-        else:
-            t = tl.inline_asm_elementwise(
-                "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+    # A query tile wholly in padding does no work (its dQ is zero).
+    if start_m < L:
+        if TMA:
+            k_desc = tl.make_tensor_descriptor(
+                k_base, shape=[L, HEAD_DIM], strides=[skt, 1], block_shape=[BLOCK_N, HEAD_DIM]
             )
-            p = 0.5 * t + 0.5
-        ds = p * (1.0 - p) * dp
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+            v_desc = tl.make_tensor_descriptor(
+                v_base, shape=[L, HEAD_DIM], strides=[svt, 1], block_shape=[BLOCK_N, HEAD_DIM]
+            )
+        row_mask = offs_m[:, None] < L
+        q = tl.load(q_base + offs_m[:, None] * sqt + offs_d[None, :], mask=row_mask, other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * sdot + offs_d[None, :], mask=row_mask, other=0.0)
+        s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if LOOKAHEAD:  # scores of the first key tile, ahead of the loop
+            if TMA:
+                k0 = k_desc.load([0, 0])
+            else:
+                k0 = tl.load(k_base + offs_n[:, None] * skt + offs_d[None, :],
+                             mask=offs_n[:, None] < L, other=0.0)  # fmt: skip
+            s = tl.dot(q, tl.trans(k0), input_precision=DOT_PRECISION)
+        for start_n in range(0, L, BLOCK_N):
+            # LOOKAHEAD: the scores of key tile j+1 are issued before the sigmoid of tile j; tile j
+            # itself is loaded again for dQ += dS K (an L2 hit, cheaper than carrying it).
+            n_s = start_n + BLOCK_N if LOOKAHEAD else start_n
+            if TMA:
+                k_s = k_desc.load([n_s, 0])
+                v = v_desc.load([start_n, 0])
+                k = k_desc.load([start_n, 0]) if LOOKAHEAD else k_s
+            else:
+                rows_s = n_s + offs_n
+                rows_n = start_n + offs_n
+                k_s = tl.load(k_base + rows_s[:, None] * skt + offs_d[None, :],
+                              mask=rows_s[:, None] < L, other=0.0)  # fmt: skip
+                v = tl.load(v_base + rows_n[:, None] * svt + offs_d[None, :],
+                            mask=rows_n[:, None] < L, other=0.0)  # fmt: skip
+                if LOOKAHEAD:
+                    k = tl.load(k_base + rows_n[:, None] * skt + offs_d[None, :],
+                                mask=rows_n[:, None] < L, other=0.0)  # fmt: skip
+                else:
+                    k = k_s
+            # dP needs no P: issued first, its wgmma runs while the MUFU evaluates the sigmoid.
+            # Padded keys have v = 0, hence dp = 0 and ds = 0: no mask needed.
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            if LOOKAHEAD:
+                s_now = s
+                s = tl.dot(q, tl.trans(k_s), input_precision=DOT_PRECISION)
+            else:
+                s_now = tl.dot(q, tl.trans(k_s), input_precision=DOT_PRECISION)
+            x = s_now * a_s + c_s
+            if SIGMOID == 0:
+                p = 1.0 / (1.0 + tl.exp(-x))
+                ds = (p - p * p) * dp  # p (1 - p) dp
+            else:
+                t = tl.inline_asm_elementwise(
+                    "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+                )
+                ds = (1.0 - t * t) * dp  # p (1 - p) = (1 - t^2) / 4; the 1/4 is in ds_scale
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    # Padded query rows have dO = 0, hence dQ = 0 already.
+    ds_scale = scale if SIGMOID == 0 else 0.25 * scale
     tl.store(
         DQ + b64 * sdqb + h * sdqh + offs_m[:, None] * sdqt + offs_d[None, :],
-        (dq * scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < T,
+        (dq * ds_scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < T,
     )  # fmt: skip
 
 
@@ -232,7 +271,8 @@ def _sigmoid_bwd_dkdv_kernel(
     sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
     H, T, T_BUCKET, scale, bias,
     HEAD_DIM: tl.constexpr, LOG_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LOOKAHEAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -244,15 +284,10 @@ def _sigmoid_bwd_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     b64 = b.to(tl.int64)
-    key_mask = offs_n[:, None] < L
-    k = tl.load(
-        K + b64 * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :], mask=key_mask, other=0.0
-    )
-    v = tl.load(
-        V + b64 * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :], mask=key_mask, other=0.0
-    )
-    q_base = Q + b64 * sqb + h * sqh + offs_d[None, :]
-    do_base = DO + b64 * sdob + h * sdoh + offs_d[None, :]
+    q_base = Q + b64 * sqb + h * sqh
+    do_base = DO + b64 * sdob + h * sdoh
+    k_base = K + b64 * skb + h * skh
+    v_base = V + b64 * svb + h * svh
     bias_b = -tl.log(L.to(tl.float32)) if LOG_BIAS else bias
     if SIGMOID == 0:
         a_s = scale
@@ -262,32 +297,74 @@ def _sigmoid_bwd_dkdv_kernel(
         c_s = 0.5 * bias_b
     dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
-    hi = tl.where(start_n < L, L, 0)
-    for start_m in range(0, hi, BLOCK_M):
-        rows_m = start_m + offs_m
-        q_mask = rows_m[:, None] < L
-        q = tl.load(q_base + rows_m[:, None] * sqt, mask=q_mask, other=0.0)
-        do = tl.load(do_base + rows_m[:, None] * sdot, mask=q_mask, other=0.0)
-        # Transposed scores (keys x queries) so that P^T and dS^T feed the dots without a transpose.
-        x_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * a_s + c_s
-        # dP^T first (it needs no P), so its wgmma can run while the MUFU evaluates the sigmoid.
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        if SIGMOID == 0:
-            p_t = 1.0 / (1.0 + tl.exp(-x_t))
-        else:
-            t = tl.inline_asm_elementwise(
-                "tanh.approx.f32 $0, $1;", "=f,f", [x_t], dtype=tl.float32, is_pure=True, pack=1
+    # A key tile wholly in padding does no work (its dK, dV are zero).
+    if start_n < L:
+        if TMA:
+            q_desc = tl.make_tensor_descriptor(
+                q_base, shape=[L, HEAD_DIM], strides=[sqt, 1], block_shape=[BLOCK_M, HEAD_DIM]
             )
-            p_t = 0.5 * t + 0.5
-        # Padded queries have dO = 0: their columns add nothing to dV or dS^T.
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        ds_t = p_t * (1.0 - p_t) * dp_t
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+            do_desc = tl.make_tensor_descriptor(
+                do_base, shape=[L, HEAD_DIM], strides=[sdot, 1], block_shape=[BLOCK_M, HEAD_DIM]
+            )
+        key_mask = offs_n[:, None] < L
+        k = tl.load(k_base + offs_n[:, None] * skt + offs_d[None, :], mask=key_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svt + offs_d[None, :], mask=key_mask, other=0.0)
+        # Transposed scores (keys x queries) so that P^T and dS^T feed the dots without a transpose.
+        s_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if LOOKAHEAD:  # scores of the first query tile, ahead of the loop
+            if TMA:
+                q0 = q_desc.load([0, 0])
+            else:
+                q0 = tl.load(q_base + offs_m[:, None] * sqt + offs_d[None, :],
+                             mask=offs_m[:, None] < L, other=0.0)  # fmt: skip
+            s_t = tl.dot(k, tl.trans(q0), input_precision=DOT_PRECISION)
+        for start_m in range(0, L, BLOCK_M):
+            # LOOKAHEAD: the scores of query tile i+1 are issued before the sigmoid of tile i; tile
+            # i itself is loaded again for dK += dS^T Q.
+            m_s = start_m + BLOCK_M if LOOKAHEAD else start_m
+            if TMA:
+                q_s = q_desc.load([m_s, 0])
+                do = do_desc.load([start_m, 0])
+                q = q_desc.load([start_m, 0]) if LOOKAHEAD else q_s
+            else:
+                rows_s = m_s + offs_m
+                rows_m = start_m + offs_m
+                q_s = tl.load(q_base + rows_s[:, None] * sqt + offs_d[None, :],
+                              mask=rows_s[:, None] < L, other=0.0)  # fmt: skip
+                do = tl.load(do_base + rows_m[:, None] * sdot + offs_d[None, :],
+                             mask=rows_m[:, None] < L, other=0.0)  # fmt: skip
+                if LOOKAHEAD:
+                    q = tl.load(q_base + rows_m[:, None] * sqt + offs_d[None, :],
+                                mask=rows_m[:, None] < L, other=0.0)  # fmt: skip
+                else:
+                    q = q_s
+            # dP^T first (it needs no P), so its wgmma can run while the MUFU evaluates the sigmoid.
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            if LOOKAHEAD:
+                s_now = s_t
+                s_t = tl.dot(k, tl.trans(q_s), input_precision=DOT_PRECISION)
+            else:
+                s_now = tl.dot(k, tl.trans(q_s), input_precision=DOT_PRECISION)
+            x_t = s_now * a_s + c_s
+            if SIGMOID == 0:
+                p_t = 1.0 / (1.0 + tl.exp(-x_t))
+                ds_t = (p_t - p_t * p_t) * dp_t
+            else:
+                t = tl.inline_asm_elementwise(
+                    "tanh.approx.f32 $0, $1;", "=f,f", [x_t], dtype=tl.float32, is_pure=True, pack=1
+                )
+                p_t = 0.5 * t + 0.5
+                ds_t = (1.0 - t * t) * dp_t  # 4 p (1 - p) dP^T; the 1/4 is in ds_scale
+            # Padded queries have dO = 0: their columns add nothing to dV or dS^T.
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    # Padded key rows saw k = 0 (and v = 0): zero their dK and dV on the way out.
+    ds_scale = scale if SIGMOID == 0 else 0.25 * scale
     valid = offs_n[:, None] < L
     in_range = offs_n[:, None] < T
     tl.store(
         DK + b64 * sdkb + h * sdkh + offs_n[:, None] * sdkt + offs_d[None, :],
-        tl.where(valid, dk * scale, 0.0).to(DK.dtype.element_ty), mask=in_range,
+        tl.where(valid, dk * ds_scale, 0.0).to(DK.dtype.element_ty), mask=in_range,
     )  # fmt: skip
     tl.store(
         DV + b64 * sdvb + h * sdvh + offs_n[:, None] * sdvt + offs_d[None, :],
@@ -314,8 +391,10 @@ def _configs(kind: str, cap: tuple[int, int], fp32: bool = False) -> tuple[trito
         # (BLOCK_M, BLOCK_N, num_warps, num_stages); three each keeps first-call autotuning short.
         blocks = {
             "fwd": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3)],
-            "dq": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
-            "dkdv": [(64, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 2)],
+            # Backward lists from kernels/sweep_configs.py (docs/BENCHMARKS.md, sweeps 1-2): dK/dV
+            # wants 64 x 64 tiles on 4 warps at hd64 and 64 x 128 on 8 warps at hd128.
+            "dq": [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
+            "dkdv": [(64, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2)],
         }[kind]
     else:
         blocks = {
@@ -329,21 +408,23 @@ def _configs(kind: str, cap: tuple[int, int], fp32: bool = False) -> tuple[trito
     )
 
 
-_TUNED: dict[tuple, object] = {}
+_TUNED: dict[tuple, Tuned] = {}
 
 
-def _launcher(kernel, kind: str, device: torch.device, dtype: torch.dtype):
-    """The kernel to launch for this call: interpreted (one config) or autotuned per arch."""
+def _launch(kernel, kind: str, q: torch.Tensor, grid, args: tuple, kwargs: dict) -> None:
+    """Launch ``kernel``: interpreted with one config, or autotuned per architecture and key
+    (T bucket, head dim, levers, dtype) and then launched straight with the config chosen."""
     if interpreting():
-        return interpreted(kernel), INTERPRETER_BLOCKS
-    cap, fp32 = capability(device), dtype == torch.float32
-    key = (kernel, cap, fp32)
-    if key not in _TUNED:
-        levers = ["TMA", "LOOKAHEAD"] if kind == "fwd" else []
-        _TUNED[key] = triton.autotune(
-            configs=list(_configs(kind, cap, fp32)), key=["T_BUCKET", "HEAD_DIM", *levers]
-        )(compiled(kernel))
-    return _TUNED[key], {}
+        interpreted(kernel)[grid](*args, **kwargs, **INTERPRETER_BLOCKS)
+        return
+    cap, fp32 = capability(q.device), q.dtype == torch.float32
+    tuned = _TUNED.get((kernel, cap, fp32))
+    if tuned is None:
+        tuned = _TUNED[(kernel, cap, fp32)] = Tuned(
+            kernel, _configs(kind, cap, fp32), ["T_BUCKET", "HEAD_DIM", "TMA", "LOOKAHEAD"]
+        )
+    key = (seq_bucket(q.shape[2]), kwargs["HEAD_DIM"], kwargs["TMA"], kwargs["LOOKAHEAD"], q.dtype)
+    tuned.launch(grid, key, *args, **kwargs)
 
 
 def _common_args(D: int, dtype: torch.dtype, log_bias: bool, sigmoid: int) -> dict:
@@ -377,6 +458,11 @@ def _device_allocator(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+@functools.cache
+def _unused_f32(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.float32, device=device)
+
+
 def tma_ok(*tensors: torch.Tensor) -> bool:
     """TMA descriptors for these (B, H, T, D) tensors: Hopper or newer (or the interpreter), and
     every (b, h) base and row stride 16-byte aligned (the model's packed qkv views are)."""
@@ -391,6 +477,10 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
 
 
 TMA_MIN_T = 4096
+# The backward's levers (the same constexprs as the forward's), from the sweeps in
+# docs/BENCHMARKS.md: TMA helps the dK/dV kernel (its loop streams Q and dO: -2% to -6% time at
+# T >= 4K) and not the dQ kernel; lookahead costs both 25-30% (one more live score tile).
+BWD_LEVERS = {"tma_dq": False, "tma_dkdv": True, "lookahead": False}
 
 
 def use_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -412,7 +502,6 @@ def launch_forward(
     if tma and not interpreting():
         triton.set_allocator(_device_allocator)
     out = _empty_bthd_as_bhtd(q)
-    launch, blocks = _launcher(_sigmoid_fwd_kernel, "fwd", q.device, q.dtype)
     # Sized for the smallest BLOCK_M of any config; programs that do not exist leave a neutral 0.
     if interpreting():
         min_bm = INTERPRETER_BLOCKS["BLOCK_M"]
@@ -420,15 +509,27 @@ def launch_forward(
         fwd_configs = _configs("fwd", capability(q.device), q.dtype == torch.float32)
         min_bm = min(c.kwargs["BLOCK_M"] for c in fwd_configs)
     n_mx = triton.cdiv(T, min_bm) if return_max else 1
-    mx = torch.zeros(B * H, n_mx, dtype=torch.float32, device=q.device)
+    # Without the max the kernel never touches MX: pass a cached scalar (no fill kernel per call).
+    mx = (
+        torch.zeros(B * H, n_mx, dtype=torch.float32, device=q.device)
+        if return_max
+        else _unused_f32(q.device)
+    )
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)
-    launch[grid](
+    args = (
         q, k, v, out, mx, lengths,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
         H, T, seq_bucket(T), n_mx, scale, bias,
-        RETURN_MAX=return_max, TMA=tma, LOOKAHEAD=lookahead,
-        **_common_args(D, q.dtype, log_bias, sigmoid), **blocks,
     )  # fmt: skip
+    kwargs = dict(RETURN_MAX=return_max, TMA=tma, LOOKAHEAD=lookahead)
+    _launch(
+        _sigmoid_fwd_kernel,
+        "fwd",
+        q,
+        grid,
+        args,
+        {**kwargs, **_common_args(D, q.dtype, log_bias, sigmoid)},
+    )
     max_bh = mx.amax(dim=1).view(B, H) if return_max else mx.new_empty(0)
     return out, max_bh
 
@@ -457,25 +558,70 @@ def _fwd_op(
     return forward_auto(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max)
 
 
-def launch_backward(do, q, k, v, lengths, scale, bias, log_bias, sigmoid):
-    """Launch the dQ and the dK/dV kernels: ``(dq, dk, dv)``."""
+def launch_backward(
+    do,
+    q,
+    k,
+    v,
+    lengths,
+    scale,
+    bias,
+    log_bias,
+    sigmoid,
+    *,
+    tma_dq: bool,
+    tma_dkdv: bool,
+    lookahead: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the dQ and the dK/dV kernels with the levers given: ``(dq, dk, dv)``."""
     do, q, k, v = (last_dim_contiguous(t) for t in (do, q, k, v))
     B, H, T, D = q.shape
+    if (tma_dq or tma_dkdv) and not tma_ok(q, k, v, do):
+        raise ValueError("tma: needs sm90+ and 16-byte aligned (b, h, t) strides and bases")
+    if (tma_dq or tma_dkdv) and not interpreting():
+        triton.set_allocator(_device_allocator)
     dq, dk, dv = (_empty_bthd_as_bhtd(t) for t in (q, k, v))
     common = _common_args(D, q.dtype, log_bias, sigmoid)
-    launch, blocks = _launcher(_sigmoid_bwd_dq_kernel, "dq", q.device, q.dtype)
-    launch[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](
+    args = (
         q, k, v, do, dq, lengths,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(dq),
-        H, T, seq_bucket(T), scale, bias, **common, **blocks,
+        H, T, seq_bucket(T), scale, bias,
     )  # fmt: skip
-    launch, blocks = _launcher(_sigmoid_bwd_dkdv_kernel, "dkdv", q.device, q.dtype)
-    launch[lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * H)](
+    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)
+    _launch(
+        _sigmoid_bwd_dq_kernel,
+        "dq",
+        q,
+        grid,
+        args,
+        {**common, "TMA": tma_dq, "LOOKAHEAD": lookahead},
+    )
+    args = (
         q, k, v, do, dk, dv, lengths,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(dk), *_strides3(dv),
-        H, T, seq_bucket(T), scale, bias, **common, **blocks,
+        H, T, seq_bucket(T), scale, bias,
     )  # fmt: skip
+    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * H)
+    _launch(
+        _sigmoid_bwd_dkdv_kernel,
+        "dkdv",
+        q,
+        grid,
+        args,
+        {**common, "TMA": tma_dkdv, "LOOKAHEAD": lookahead},
+    )
     return dq, dk, dv
+
+
+def backward_auto(do, q, k, v, lengths, scale, bias, log_bias, sigmoid):
+    """The backward with the op's lever choice (``BWD_LEVERS``; TMA from T = TMA_MIN_T only)."""
+    do, q, k, v = (last_dim_contiguous(t) for t in (do, q, k, v))
+    tma = q.shape[2] >= TMA_MIN_T and tma_ok(q, k, v, do)
+    return launch_backward(
+        do, q, k, v, lengths, scale, bias, log_bias, sigmoid,
+        tma_dq=tma and BWD_LEVERS["tma_dq"], tma_dkdv=tma and BWD_LEVERS["tma_dkdv"],
+        lookahead=BWD_LEVERS["lookahead"],
+    )  # fmt: skip
 
 
 @torch.library.custom_op("stabilitylab::sigmoid_attention_bwd", mutates_args=())
@@ -490,7 +636,7 @@ def _bwd_op(
     log_bias: bool,
     sigmoid: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return launch_backward(do, q, k, v, lengths, scale, bias, log_bias, sigmoid)
+    return backward_auto(do, q, k, v, lengths, scale, bias, log_bias, sigmoid)
 
 
 @_fwd_op.register_fake
@@ -536,7 +682,7 @@ class _EagerSigmoidAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, _d_max):
         q, k, v, lengths = ctx.saved_tensors
-        dq, dk, dv = launch_backward(d_out, q, k, v, lengths, *ctx.args)
+        dq, dk, dv = backward_auto(d_out, q, k, v, lengths, *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None
 
 

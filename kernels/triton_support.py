@@ -50,8 +50,42 @@ def seq_bucket(T: int) -> int:
     return triton.next_power_of_2(max(int(T), 16))
 
 
+@functools.cache  # on every launch; torch's lookup costs ~10 us of host time
 def capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+
+
+class Tuned:
+    """A kernel autotuned over ``configs`` at the first call per ``key``, then launched straight
+    with the config chosen: Triton's autotuner dispatch costs ~30 us of host time per call on the
+    H200 host (docs/BENCHMARKS.md), which a timed call counts whenever the GPU waits for it.
+
+    ``tuned.launch(grid, key, *args, **kwargs)``; ``key`` must determine the autotuner's own key
+    (its ``key_names`` values); ``cache`` and ``base_fn`` mirror the autotuner's, for
+    ``autotune_choices``."""
+
+    def __init__(self, kernel, configs, key_names: list[str]):
+        self.jit = compiled(kernel)
+        self.tuner = triton.autotune(configs=list(configs), key=key_names)(self.jit)
+        self._best: dict[tuple, dict] = {}
+
+    @property
+    def cache(self) -> dict:
+        return self.tuner.cache
+
+    @property
+    def base_fn(self):
+        return self.tuner.base_fn
+
+    def launch(self, grid, key: tuple, *args, **kwargs) -> None:
+        best = self._best.get(key)
+        if best is None:
+            self.tuner[grid](*args, **kwargs)
+            chosen = getattr(self.tuner, "best_config", None)  # set by every autotuner run
+            if chosen is not None:
+                self._best[key] = chosen.all_kwargs()
+        else:
+            self.jit[grid](*args, **kwargs, **best)
 
 
 def check_attention_inputs(
