@@ -258,6 +258,21 @@ def test_torch_compile_fullgraph_no_break(backend, monkeypatch):
     torch.testing.assert_close(max2_BH.double(), max_ref.double(), rtol=1e-4, atol=1e-5)
 
 
+def _lever_cases(device, dtype):
+    """Inputs for the lever tests: both head dims x every length case, with the sigmoid mode the
+    op would pick (the interpreter runs the exact mode whatever it is asked)."""
+    from stabilitylab.kernels.sigmoid_attention import TANH_F32, default_fast_mode
+
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("bf16 tl.dot is wrong in the CPU interpreter")
+    gen = _generator(device)
+    mode = default_fast_mode(dtype) if device == "cuda" else TANH_F32
+    for D in (64, 128):
+        for T, lengths in SHAPES[device].values():
+            clean, dirty, lengths_B = _inputs(len(lengths), 2, T, D, lengths, dtype, device, gen)
+            yield D, T, lengths, clean, dirty, lengths_B, mode, gen
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
 @pytest.mark.parametrize("lookahead", [False, True], ids=["plain", "lookahead"])
@@ -265,26 +280,19 @@ def test_forward_levers_match_reference(device, dtype, tma, lookahead):
     """Each forward lever alone and together (the op takes lookahead, plus TMA from T = 4096 where
     aligned), with the fused max|logit|: same criterion, odd lengths, length 1 and all-but-one padding, gapped
     views with NaN padding."""
-    from stabilitylab.kernels.sigmoid_attention import TANH_F32, default_fast_mode, launch_forward
+    from stabilitylab.kernels.sigmoid_attention import launch_forward
 
-    if device == "cpu" and dtype == torch.bfloat16:
-        pytest.skip("bf16 tl.dot is wrong in the CPU interpreter")
-    gen = _generator(device)
-    mode = default_fast_mode(dtype) if device == "cuda" else TANH_F32  # interpreter: exact
-    for D in (64, 128):
-        for T, lengths in SHAPES[device].values():
-            B = len(lengths)
-            (q, k, v), (qn, kn, vn), lengths_B = _inputs(B, 2, T, D, lengths, dtype, device, gen)
-            args = (lengths_B, 1 / math.sqrt(D), 0.0, True, mode, True)
-            out, max_BH = launch_forward(qn, kn, vn, *args, tma=tma, lookahead=lookahead)
-            ref64 = sigmoid_attention_reference(q.double(), k.double(), v.double(), lengths_B)
-            ref_t = sigmoid_attention_reference(q, k, v, lengths_B)
-            where = (D, T, lengths)
-            assert _err(out, ref64) <= 2 * _err(ref_t, ref64) + ATOL[dtype], where
-            max_ref = max_abs_logit_reference(q.double(), k.double(), lengths_B)
-            torch.testing.assert_close(
-                max_BH.double(), max_ref.double(), rtol=1e-4, atol=1e-5, msg=str(where)
-            )
+    for D, T, lengths, (q, k, v), (qn, kn, vn), lengths_B, mode, _ in _lever_cases(device, dtype):
+        args = (lengths_B, 1 / math.sqrt(D), 0.0, True, mode, True)
+        out, max_BH = launch_forward(qn, kn, vn, *args, tma=tma, lookahead=lookahead)
+        ref64 = sigmoid_attention_reference(q.double(), k.double(), v.double(), lengths_B)
+        ref_t = sigmoid_attention_reference(q, k, v, lengths_B)
+        where = (D, T, lengths)
+        assert _err(out, ref64) <= 2 * _err(ref_t, ref64) + ATOL[dtype], where
+        max_ref = max_abs_logit_reference(q.double(), k.double(), lengths_B)
+        torch.testing.assert_close(
+            max_BH.double(), max_ref.double(), rtol=1e-4, atol=1e-5, msg=str(where)
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -294,31 +302,24 @@ def test_backward_levers_match_reference(device, dtype, tma, lookahead):
     """Each backward lever set (the dQ and dK/dV kernels with pointer or TMA loads, with or
     without next-tile scores): gradients within 3x torch's error at the dtype, NaN padding never
     read, padded rows zero; odd lengths, length 1 and all-but-one padding, both head dims."""
-    from stabilitylab.kernels.sigmoid_attention import TANH_F32, default_fast_mode, launch_backward
+    from stabilitylab.kernels.sigmoid_attention import launch_backward
 
-    if device == "cpu" and dtype == torch.bfloat16:
-        pytest.skip("bf16 tl.dot is wrong in the CPU interpreter")
-    gen = _generator(device)
-    mode = default_fast_mode(dtype) if device == "cuda" else TANH_F32  # interpreter: exact
-    for D in (64, 128):
-        for T, lengths in SHAPES[device].values():
-            B = len(lengths)
-            (q, k, v), (qn, kn, vn), lengths_B = _inputs(B, 2, T, D, lengths, dtype, device, gen)
-            valid = key_mask_BT(lengths_B, T)[:, None, :, None]
-            g = torch.randn(B, 2, T, D, generator=gen, device=device).to(dtype) * valid
-            g_nan = g.masked_fill(~valid, float("nan"))
-            args = (lengths_B, 1 / math.sqrt(D), 0.0, True, mode)
-            grads = launch_backward(
-                g_nan, qn, kn, vn, *args, tma_dq=tma, tma_dkdv=tma, lookahead=lookahead
-            )
-            _, grads64 = _ref_grads(q.double(), k.double(), v.double(), lengths_B, g)
-            _, grads_t = _ref_grads(q, k, v, lengths_B, g)
-            for name, a, t_, r in zip("qkv", grads, grads_t, grads64, strict=True):
-                where = (f"d{name}", D, T, lengths)
-                assert torch.isfinite(a).all(), where
-                assert _err(a, r) <= 3 * _err(t_, r) + ATOL[dtype], where
-                for b, L in enumerate(lengths):
-                    assert (a[b, :, L:] == 0).all(), where
+    for D, T, lengths, (q, k, v), (qn, kn, vn), lengths_B, mode, gen in _lever_cases(device, dtype):
+        valid = key_mask_BT(lengths_B, T)[:, None, :, None]
+        g = torch.randn(q.shape, generator=gen, device=device).to(dtype) * valid
+        g_nan = g.masked_fill(~valid, float("nan"))
+        args = (lengths_B, 1 / math.sqrt(D), 0.0, True, mode)
+        grads = launch_backward(
+            g_nan, qn, kn, vn, *args, tma_dq=tma, tma_dkdv=tma, lookahead=lookahead
+        )
+        _, grads64 = _ref_grads(q.double(), k.double(), v.double(), lengths_B, g)
+        _, grads_t = _ref_grads(q, k, v, lengths_B, g)
+        for name, a, t_, r in zip("qkv", grads, grads_t, grads64, strict=True):
+            where = (f"d{name}", D, T, lengths)
+            assert torch.isfinite(a).all(), where
+            assert _err(a, r) <= 3 * _err(t_, r) + ATOL[dtype], where
+            for b, L in enumerate(lengths):
+                assert (a[b, :, L:] == 0).all(), where
 
 
 def test_custom_op_path_equals_the_eager_function(device):
