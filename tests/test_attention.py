@@ -71,6 +71,20 @@ def test_padded_keys_contribute_nothing(name):
     torch.testing.assert_close(out1, out2)
 
 
+def test_softmax_full_length_answer_follows_in_place_changes():
+    """The softmax backend remembers whether a lengths tensor is full (one host read, not one per
+    layer); an in-place change to that same tensor must be seen, or padded keys would leak in."""
+    q, k, v, lengths = _inputs(2, 2, 16, 64, [16, 16], torch.float32, 2)
+    softmax = get_backend("softmax")
+    full, _ = softmax(q, k, v, lengths)
+    tol = {"atol": 2e-4, "rtol": 2e-4}
+    torch.testing.assert_close(full.double(), softmax_reference_f64(q, k, v, lengths), **tol)
+    lengths[1] = 7  # same tensor object, new version
+    padded, _ = softmax(q, k, v, lengths)
+    torch.testing.assert_close(padded.double(), softmax_reference_f64(q, k, v, lengths), **tol)
+    assert (padded[1, :, 7:] == 0).all()
+
+
 def test_max_abs_logit_chunks_agree():
     from stabilitylab.kernels.reference import max_abs_logit_reference
 
