@@ -30,7 +30,7 @@ matters on an H200, per score: the two products cost 4 D flops (~990 TFLOPS dens
 sigmoid one MUFU op (~3.9 T/s): at D = 64 the two take about as long, at D = 128 the MUFU half as
 long; run back to back they cap the forward near 500 and 650 TFLOPS. The backward kernels take
 the same two constexprs (``BWD_LEVERS`` holds the op's choice: TMA in the dK/dV kernel only,
-from T = 4096; lookahead off, it cost 25-30% there) and issue dP before the sigmoid.
+from T = 4096; lookahead off, it cost 17-39% there) and issue dP before the sigmoid.
 
 Sigmoid modes (constexpr ``SIGMOID``): 0 exact ``1/(1+exp(-x))``; 1 ``0.5 tanh(x/2) + 0.5`` with
 ``tanh.approx.f32`` (one MUFU op, the default for 16-bit inputs). Inline PTX cannot run in the
@@ -454,7 +454,7 @@ def _empty_bthd_as_bhtd(like: torch.Tensor) -> torch.Tensor:
 
 
 def _device_allocator(size: int, alignment: int, stream) -> torch.Tensor:
-    """Scratch for the tensor descriptors the forward builds on the device."""
+    """Scratch for the tensor descriptors the kernels build on the device."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
@@ -479,7 +479,8 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
 TMA_MIN_T = 4096
 # The backward's levers (the same constexprs as the forward's), from the sweeps in
 # docs/BENCHMARKS.md: TMA helps the dK/dV kernel (its loop streams Q and dO: -2% to -6% time at
-# T >= 4K) and not the dQ kernel; lookahead costs both 25-30% (one more live score tile).
+# T >= 4K unpadded, -10% at 25% padding) and not the dQ kernel; lookahead costs both 17-39% (one
+# more live score tile, and the loop's tiles loaded twice).
 BWD_LEVERS = {"tma_dq": False, "tma_dkdv": True, "lookahead": False}
 
 
@@ -690,8 +691,11 @@ class _EagerSigmoidAttention(torch.autograd.Function):
 
 
 def default_fast_mode(dtype: torch.dtype) -> int:
-    """Sigmoid mode for ``exact=False``: the hardware tanh (~5e-4 relative) sits far below 16-bit
-    rounding, but float32 inputs ask for float32 accuracy, so they stay exact."""
+    """Sigmoid mode for ``exact=False``: the hardware tanh for 16-bit inputs, exact for float32
+    (which asks for float32 accuracy). Near x = -log n the tanh's p carries up to ~1e-2 relative
+    error and a small negative bias (kernels/check_tanh.py; docs/BENCHMARKS.md): at T = 8K the
+    kernel's row sums err 1.2e-3 (exact mode 9.9e-4, the fp16 output rounding); far longer contexts
+    should take ``exact=True``."""
     return EXACT if dtype == torch.float32 else TANH_F32
 
 

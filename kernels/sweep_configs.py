@@ -4,7 +4,8 @@
 
 For every kernel (forward, dQ, dK/dV), lever set (TMA x LOOKAHEAD) and candidate launch config
 (BLOCK_M, BLOCK_N, num_warps, num_stages) it compiles once (in parallel worker processes that
-share Triton's disk cache), checks the result against the plain kernel at the first config (a
+share Triton's disk cache), checks the result against the first variant of that kernel that ran
+(the plain kernel at the first config for dQ and dK/dV; TMA + lookahead for the forward; a
 miscompiled variant is flagged, not timed as a win), and times it with ``do_bench`` (median ms) at
 bf16, 16,384 tokens per batch, hidden 2048, as ``kernels/bench_attention.py``. Head dim 64 runs on
 one GPU and 128 on another when two are visible. Prints, per head dim and T, the best config per
@@ -219,6 +220,8 @@ def summarise(df: pd.DataFrame) -> str:
                 ms = best[("dq", tma, la)] + best[("dkdv", tma, la)]
                 lines.append(f"  bwd tma={tma:d} la={la:d}: {flops / ms * 1e-9:.0f} TFLOPS")
         for kd in ("dq", "dkdv"):
+            if not any(k[0] == kd for k in best):
+                continue
             mixed = min((v, k) for k, v in best.items() if k[0] == kd)
             tma, la = (int(x) for x in mixed[1][1:])
             lines.append(f"  best {kd}: tma={tma} la={la} {mixed[0]:.3f} ms")

@@ -161,14 +161,15 @@ _checked: tuple[weakref.ref, int, int] | None = None
 
 def _check_lengths_range(lengths_B: torch.Tensor, T: int) -> None:
     global _checked
-    if _checked is not None:
+    if _checked is not None and not lengths_B.is_inference():  # those have no version counter
         ref, version, checked_T = _checked
         if ref() is lengths_B and version == lengths_B._version and checked_T == T:
             return
     lo, hi = torch.stack(torch.aminmax(lengths_B)).tolist()  # one sync, not two
     if lo < 1 or hi > T:
         raise ValueError(f"lengths_B must lie in [1, T={T}], got min {lo}, max {hi}")
-    _checked = (weakref.ref(lengths_B), lengths_B._version, T)
+    if not lengths_B.is_inference():
+        _checked = (weakref.ref(lengths_B), lengths_B._version, T)
 
 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

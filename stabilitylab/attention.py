@@ -75,6 +75,8 @@ _full_seen: tuple[weakref.ref, int, int, bool] | None = None
 def _all_full(lengths_B: torch.Tensor, T: int) -> bool:
     """Whether every sequence fills all T positions (SDPA then takes its unmasked kernel)."""
     global _full_seen
+    if lengths_B.is_inference():  # inference tensors have no version counter: no caching
+        return bool((lengths_B == T).all())
     if _full_seen is not None:
         ref, version, seen_T, full = _full_seen
         if ref() is lengths_B and version == lengths_B._version and seen_T == T:

@@ -85,6 +85,19 @@ def test_softmax_full_length_answer_follows_in_place_changes():
     assert (padded[1, :, 7:] == 0).all()
 
 
+@pytest.mark.parametrize("name", ["softmax", "sigmoid-triton"])
+def test_backends_run_under_inference_mode(name, monkeypatch):
+    """Inference tensors carry no version counter: the lengths caches must not ask for one."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # sigmoid-triton on CPU: the interpreter
+    with torch.inference_mode():
+        q, k, v, lengths = _inputs(2, 2, 16, 64, [16, 9], torch.float32, 3)
+        out, _ = get_backend(name)(q, k, v, lengths)
+        out2, _ = get_backend(name)(q, k, v, lengths)
+    ref = softmax_reference_f64 if name == "softmax" else sigmoid_reference_f64
+    torch.testing.assert_close(out.double(), ref(q, k, v, lengths), atol=2e-4, rtol=2e-4)
+    assert torch.equal(out, out2)
+
+
 def test_max_abs_logit_chunks_agree():
     from stabilitylab.kernels.reference import max_abs_logit_reference
 
