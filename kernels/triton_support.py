@@ -153,23 +153,38 @@ def check_attention_inputs(
         _check_lengths_range(lengths_B, T)
 
 
-# The last lengths tensor that passed, with its version counter: a model passes one lengths_B to
-# every layer, and a host sync per call stalls the launch queue (docs/LOG.md, 2026-11-29). In-place
-# writes bump ``_version``, so a changed tensor is checked again.
-_checked: tuple[weakref.ref, int, int] | None = None
+class LastTensorMemo:
+    """One answer about the last tensor asked about, reused while that same tensor (weakly held)
+    is unchanged (its version counter: in-place writes bump it) and ``key`` is equal. For host
+    reads of a tensor a model passes to every layer, where a sync per call would stall the launch
+    queue (docs/LOG.md, 2026-11-29). Inference tensors have no version counter: never cached."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[weakref.ref, int, object, object] | None = None
+
+    def get(self, t: torch.Tensor, key, compute):
+        cacheable = not t.is_inference()
+        if cacheable and self._seen is not None:
+            ref, version, seen_key, value = self._seen
+            if ref() is t and version == t._version and seen_key == key:
+                return value
+        value = compute()  # an exception leaves nothing cached
+        if cacheable:
+            self._seen = (weakref.ref(t), t._version, key, value)
+        return value
+
+
+_lengths_in_range = LastTensorMemo()
 
 
 def _check_lengths_range(lengths_B: torch.Tensor, T: int) -> None:
-    global _checked
-    if _checked is not None and not lengths_B.is_inference():  # those have no version counter
-        ref, version, checked_T = _checked
-        if ref() is lengths_B and version == lengths_B._version and checked_T == T:
-            return
-    lo, hi = torch.stack(torch.aminmax(lengths_B)).tolist()  # one sync, not two
-    if lo < 1 or hi > T:
-        raise ValueError(f"lengths_B must lie in [1, T={T}], got min {lo}, max {hi}")
-    if not lengths_B.is_inference():
-        _checked = (weakref.ref(lengths_B), lengths_B._version, T)
+    def read() -> bool:
+        lo, hi = torch.stack(torch.aminmax(lengths_B)).tolist()  # one sync, not two
+        if lo < 1 or hi > T:
+            raise ValueError(f"lengths_B must lie in [1, T={T}], got min {lo}, max {hi}")
+        return True
+
+    _lengths_in_range.get(lengths_B, T, read)
 
 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,6 @@ reproducible bit for bit on a GPU, which SDPA's backward is not), ``sigmoid-trit
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -32,6 +31,7 @@ from stabilitylab.kernels.reference import (
     sigmoid_attention_reference,
     softmax_attention_reference,
 )
+from stabilitylab.kernels.triton_support import LastTensorMemo
 
 AttentionResult = tuple[torch.Tensor, torch.Tensor | None]
 AttentionBackend = Callable[..., AttentionResult]
@@ -66,24 +66,14 @@ def max_abs_logit(q_BHTD, k_BHTD, lengths_B) -> torch.Tensor:
     return max_abs_logit_reference(q_BHTD, k_BHTD, lengths_B)
 
 
-# The last lengths tensor asked about (weakly held), its version counter, T and the answer: a model
-# passes one lengths_B to every layer, and reading a CUDA tensor on the host is a sync per call
-# (12 per forward in the stress model; docs/BENCHMARKS.md, run 12). In-place writes bump _version.
-_full_seen: tuple[weakref.ref, int, int, bool] | None = None
+# A model passes one lengths_B to every layer: read it on the host once, not once per layer (a sync
+# per call; 12 per forward in the stress model, docs/BENCHMARKS.md, run 12).
+_lengths_full = LastTensorMemo()
 
 
 def _all_full(lengths_B: torch.Tensor, T: int) -> bool:
     """Whether every sequence fills all T positions (SDPA then takes its unmasked kernel)."""
-    global _full_seen
-    if lengths_B.is_inference():  # inference tensors have no version counter: no caching
-        return bool((lengths_B == T).all())
-    if _full_seen is not None:
-        ref, version, seen_T, full = _full_seen
-        if ref() is lengths_B and version == lengths_B._version and seen_T == T:
-            return full
-    full = bool((lengths_B == T).all())
-    _full_seen = (weakref.ref(lengths_B), lengths_B._version, T, full)
-    return full
+    return _lengths_full.get(lengths_B, T, lambda: bool((lengths_B == T).all()))
 
 
 @register("softmax")
