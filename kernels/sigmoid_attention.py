@@ -440,6 +440,14 @@ def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _kernel_args(strided: tuple, extra: tuple, lengths, H: int, T: int, *tail) -> tuple:
+    """The kernels' positional arguments, in their signatures' order: the (B, H, T, D) tensors,
+    other pointers (the forward's max buffer), lengths, the (b, h, t) strides of each (B, H, T, D)
+    tensor, H, T, the T bucket of the autotune key, then ``tail``."""
+    strides = [st for t in strided for st in _strides3(t)]
+    return (*strided, *extra, lengths, *strides, H, T, seq_bucket(T), *tail)
+
+
 def _empty_bthd_as_bhtd(like: torch.Tensor) -> torch.Tensor:
     """(B, H, T, D) view of (B, T, H, D) memory: the model's ``transpose(1, 2).reshape`` is free."""
     B, H, T, D = like.shape
@@ -484,11 +492,11 @@ TMA_MIN_T = 4096
 BWD_LEVERS = {"tma_dq": False, "tma_dkdv": True, "lookahead": False}
 
 
-def use_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """The op's choice: TMA loads from T = 4096 up, where they beat pointer loads; below, building
+def use_tma(*tensors: torch.Tensor) -> bool:
+    """The op's choice for these (B, H, T, D) tensors: TMA loads from T = 4096 up, where they beat pointer loads; below, building
     a descriptor per program costs more than it saves, most of all under heavy padding (H200,
     2026-11-29: T = 2048 with 50% padding, head dim 128: 212 vs 377 TFLOPS; docs/BENCHMARKS.md)."""
-    return q.shape[2] >= TMA_MIN_T and tma_ok(q, k, v)
+    return tensors[0].shape[2] >= TMA_MIN_T and tma_ok(*tensors)
 
 
 def launch_forward(
@@ -517,11 +525,7 @@ def launch_forward(
         else _unused_f32(q.device)
     )
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)
-    args = (
-        q, k, v, out, mx, lengths,
-        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out),
-        H, T, seq_bucket(T), n_mx, scale, bias,
-    )  # fmt: skip
+    args = _kernel_args((q, k, v, out), (mx,), lengths, H, T, n_mx, scale, bias)
     kwargs = dict(RETURN_MAX=return_max, TMA=tma, LOOKAHEAD=lookahead)
     _launch(
         _sigmoid_fwd_kernel,
@@ -583,11 +587,7 @@ def launch_backward(
         triton.set_allocator(_device_allocator)
     dq, dk, dv = (_empty_bthd_as_bhtd(t) for t in (q, k, v))
     common = _common_args(D, q.dtype, log_bias, sigmoid)
-    args = (
-        q, k, v, do, dq, lengths,
-        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(dq),
-        H, T, seq_bucket(T), scale, bias,
-    )  # fmt: skip
+    args = _kernel_args((q, k, v, do, dq), (), lengths, H, T, scale, bias)
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)
     _launch(
         _sigmoid_bwd_dq_kernel,
@@ -597,11 +597,7 @@ def launch_backward(
         args,
         {**common, "TMA": tma_dq, "LOOKAHEAD": lookahead},
     )
-    args = (
-        q, k, v, do, dk, dv, lengths,
-        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(dk), *_strides3(dv),
-        H, T, seq_bucket(T), scale, bias,
-    )  # fmt: skip
+    args = _kernel_args((q, k, v, do, dk, dv), (), lengths, H, T, scale, bias)
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * H)
     _launch(
         _sigmoid_bwd_dkdv_kernel,
@@ -617,7 +613,7 @@ def launch_backward(
 def backward_auto(do, q, k, v, lengths, scale, bias, log_bias, sigmoid):
     """The backward with the op's lever choice (``BWD_LEVERS``; TMA from T = TMA_MIN_T only)."""
     do, q, k, v = (last_dim_contiguous(t) for t in (do, q, k, v))
-    tma = q.shape[2] >= TMA_MIN_T and tma_ok(q, k, v, do)
+    tma = use_tma(q, k, v, do)
     return launch_backward(
         do, q, k, v, lengths, scale, bias, log_bias, sigmoid,
         tma_dq=tma and BWD_LEVERS["tma_dq"], tma_dkdv=tma and BWD_LEVERS["tma_dkdv"],

@@ -70,8 +70,6 @@ def inputs(T, D, pad, seed=0):
 
 def runner(kind, D, lev, cfg, tensors):
     """A zero-argument launch of one kernel at one config, and its output tensors."""
-    from stabilitylab.kernels.triton_support import seq_bucket
-
     sa = importlib.import_module("stabilitylab.kernels.sigmoid_attention")  # the module
 
     q, k, v, do, lengths = tensors
@@ -85,28 +83,24 @@ def runner(kind, D, lev, cfg, tensors):
         HEAD_DIM=D, LOG_BIAS=True, SIGMOID=0 if interp else sa.TANH_F32, DOT_PRECISION="tf32", TMA=tma,
         LOOKAHEAD=la, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    s3 = sa._strides3
     scale = 1 / math.sqrt(D)
     if kind == "fwd":
         out = sa._empty_bthd_as_bhtd(q)
         n_mx = triton.cdiv(T, bm)
         mx = torch.zeros(B * H, n_mx, dtype=torch.float32, device=q.device)
         grid = (triton.cdiv(T, bm), B * H)
-        args = (q, k, v, out, mx, lengths, *s3(q), *s3(k), *s3(v), *s3(out),
-                H, T, seq_bucket(T), n_mx, scale, 0.0)  # fmt: skip
+        args = sa._kernel_args((q, k, v, out), (mx,), lengths, H, T, n_mx, scale, 0.0)
         kern, outs = sa._sigmoid_fwd_kernel, (out,)
         common["RETURN_MAX"] = False
     elif kind == "dq":
         dq = sa._empty_bthd_as_bhtd(q)
         grid = (triton.cdiv(T, bm), B * H)
-        args = (q, k, v, do, dq, lengths, *s3(q), *s3(k), *s3(v), *s3(do), *s3(dq),
-                H, T, seq_bucket(T), scale, 0.0)  # fmt: skip
+        args = sa._kernel_args((q, k, v, do, dq), (), lengths, H, T, scale, 0.0)
         kern, outs = sa._sigmoid_bwd_dq_kernel, (dq,)
     else:
         dk, dv = sa._empty_bthd_as_bhtd(k), sa._empty_bthd_as_bhtd(v)
         grid = (triton.cdiv(T, bn), B * H)
-        args = (q, k, v, do, dk, dv, lengths, *s3(q), *s3(k), *s3(v), *s3(do), *s3(dk), *s3(dv),
-                H, T, seq_bucket(T), scale, 0.0)  # fmt: skip
+        args = sa._kernel_args((q, k, v, do, dk, dv), (), lengths, H, T, scale, 0.0)
         kern, outs = sa._sigmoid_bwd_dkdv_kernel, (dk, dv)
     return (lambda: kern[grid](*args, **common)), outs
 
