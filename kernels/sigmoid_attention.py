@@ -436,15 +436,11 @@ def _common_args(D: int, dtype: torch.dtype, log_bias: bool, sigmoid: int) -> di
     }
 
 
-def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
 def _kernel_args(strided: tuple, extra: tuple, lengths, H: int, T: int, *tail) -> tuple:
     """The kernels' positional arguments, in their signatures' order: the (B, H, T, D) tensors,
     other pointers (the forward's max buffer), lengths, the (b, h, t) strides of each (B, H, T, D)
     tensor, H, T, the T bucket of the autotune key, then ``tail``."""
-    strides = [st for t in strided for st in _strides3(t)]
+    strides = [st for t in strided for st in t.stride()[:3]]
     return (*strided, *extra, lengths, *strides, H, T, seq_bucket(T), *tail)
 
 
@@ -478,10 +474,15 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
     if not interpreting() and capability(t0.device)[0] < 9:
         return False
     size = t0.element_size()
-    return all(
-        t.data_ptr() % 16 == 0 and all((st * size) % 16 == 0 for st in t.stride()[:3])
-        for t in tensors
-    )
+    # Plain loops: this runs on every call, and the host time before a launch is GPU idle time
+    # whenever the GPU is not ahead (docs/BENCHMARKS.md, "Host overhead").
+    for t in tensors:
+        if t.data_ptr() % 16:
+            return False
+        sb, sh, st = t.stride()[:3]
+        if (sb * size) % 16 or (sh * size) % 16 or (st * size) % 16:
+            return False
+    return True
 
 
 TMA_MIN_T = 4096
@@ -505,26 +506,37 @@ def launch_forward(
     """Launch the forward kernel with the levers given (the op picks them; the benchmark forces
     them to measure each): ``tma`` tensor-descriptor loads, ``lookahead`` next-tile scores."""
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    B, H, T, D = q.shape
     if tma and not tma_ok(q, k, v):
         raise ValueError("tma: needs sm90+ and 16-byte aligned (b, h, t) strides and bases")
+    return _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, lookahead)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv: ~5 us of host time per call (triton 3.9, the CI machine)
+
+
+def _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, lookahead):
+    """``launch_forward`` on inputs already made unit-stride along D, with ``tma`` already
+    checked: the op's path, which runs these checks once."""
+    B, H, T, D = q.shape
     if tma and not interpreting():
         triton.set_allocator(_device_allocator)
     out = _empty_bthd_as_bhtd(q)
     # Sized for the smallest BLOCK_M of any config; programs that do not exist leave a neutral 0.
-    if interpreting():
-        min_bm = INTERPRETER_BLOCKS["BLOCK_M"]
+    if not return_max:
+        n_mx = 1
+    elif interpreting():
+        n_mx = _cdiv(T, INTERPRETER_BLOCKS["BLOCK_M"])
     else:
         fwd_configs = _configs("fwd", capability(q.device), q.dtype == torch.float32)
-        min_bm = min(c.kwargs["BLOCK_M"] for c in fwd_configs)
-    n_mx = triton.cdiv(T, min_bm) if return_max else 1
+        n_mx = _cdiv(T, min(c.kwargs["BLOCK_M"] for c in fwd_configs))
     # Without the max the kernel never touches MX: pass a cached scalar (no fill kernel per call).
     mx = (
         torch.zeros(B * H, n_mx, dtype=torch.float32, device=q.device)
         if return_max
         else _unused_f32(q.device)
     )
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)
+    grid = lambda meta: (_cdiv(T, meta["BLOCK_M"]), B * H)
     args = _kernel_args((q, k, v, out), (mx,), lengths, H, T, n_mx, scale, bias)
     kwargs = dict(RETURN_MAX=return_max, TMA=tma, LOOKAHEAD=lookahead)
     _launch(
@@ -542,10 +554,8 @@ def launch_forward(
 def forward_auto(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max):
     """The forward with the op's lever choice (TMA from T = 4096 where possible, lookahead)."""
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    return launch_forward(
-        q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max,
-        tma=use_tma(q, k, v), lookahead=True,
-    )  # fmt: skip
+    tma = use_tma(q, k, v)
+    return _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, True)
 
 
 @torch.library.custom_op("stabilitylab::sigmoid_attention_fwd", mutates_args=())
@@ -580,15 +590,25 @@ def launch_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the dQ and the dK/dV kernels with the levers given: ``(dq, dk, dv)``."""
     do, q, k, v = (last_dim_contiguous(t) for t in (do, q, k, v))
-    B, H, T, D = q.shape
     if (tma_dq or tma_dkdv) and not tma_ok(q, k, v, do):
         raise ValueError("tma: needs sm90+ and 16-byte aligned (b, h, t) strides and bases")
+    return _backward_launch(
+        do, q, k, v, lengths, scale, bias, log_bias, sigmoid, tma_dq, tma_dkdv, lookahead
+    )
+
+
+def _backward_launch(
+    do, q, k, v, lengths, scale, bias, log_bias, sigmoid, tma_dq, tma_dkdv, lookahead
+):  # fmt: skip
+    """``launch_backward`` on checked inputs (the op's path). The dQ kernel is launched before
+    dK and dV are even allocated: host time ahead of the first launch is GPU idle time."""
+    B, H, T, D = q.shape
     if (tma_dq or tma_dkdv) and not interpreting():
         triton.set_allocator(_device_allocator)
-    dq, dk, dv = (_empty_bthd_as_bhtd(t) for t in (q, k, v))
+    dq = _empty_bthd_as_bhtd(q)
     common = _common_args(D, q.dtype, log_bias, sigmoid)
     args = _kernel_args((q, k, v, do, dq), (), lengths, H, T, scale, bias)
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)
+    grid = lambda meta: (_cdiv(T, meta["BLOCK_M"]), B * H)
     _launch(
         _sigmoid_bwd_dq_kernel,
         "dq",
@@ -597,8 +617,9 @@ def launch_backward(
         args,
         {**common, "TMA": tma_dq, "LOOKAHEAD": lookahead},
     )
+    dk, dv = _empty_bthd_as_bhtd(k), _empty_bthd_as_bhtd(v)
     args = _kernel_args((q, k, v, do, dk, dv), (), lengths, H, T, scale, bias)
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * H)
+    grid = lambda meta: (_cdiv(T, meta["BLOCK_N"]), B * H)
     _launch(
         _sigmoid_bwd_dkdv_kernel,
         "dkdv",
@@ -614,10 +635,9 @@ def backward_auto(do, q, k, v, lengths, scale, bias, log_bias, sigmoid):
     """The backward with the op's lever choice (``BWD_LEVERS``; TMA from T = TMA_MIN_T only)."""
     do, q, k, v = (last_dim_contiguous(t) for t in (do, q, k, v))
     tma = use_tma(q, k, v, do)
-    return launch_backward(
+    return _backward_launch(
         do, q, k, v, lengths, scale, bias, log_bias, sigmoid,
-        tma_dq=tma and BWD_LEVERS["tma_dq"], tma_dkdv=tma and BWD_LEVERS["tma_dkdv"],
-        lookahead=BWD_LEVERS["lookahead"],
+        tma and BWD_LEVERS["tma_dq"], tma and BWD_LEVERS["tma_dkdv"], BWD_LEVERS["lookahead"],
     )  # fmt: skip
 
 

@@ -47,7 +47,8 @@ def compiled(kernel):
 
 def seq_bucket(T: int) -> int:
     """Autotune key for the sequence length: next power of two, so nearby T share a config."""
-    return triton.next_power_of_2(max(int(T), 16))
+    # Plain int arithmetic: triton.next_power_of_2 costs ~3 us per host call (triton 3.9, CPU).
+    return 1 << (max(int(T), 16) - 1).bit_length()
 
 
 @functools.cache  # on every launch; torch's lookup costs ~10 us of host time
