@@ -18,6 +18,7 @@ import triton.language as tl
 from stabilitylab.kernels.reference import max_abs_logit_reference  # noqa: F401  (the maths)
 from stabilitylab.kernels.triton_support import (
     capability,
+    cdiv,
     check_attention_inputs,
     compiled,
     interpreted,
@@ -99,9 +100,9 @@ def _max_abs_logit_op(
             )
         launch, blocks = _TUNED[key], {}
         min_bm = min(c.kwargs["BLOCK_M"] for c in configs)
-    n_mx = triton.cdiv(T, min_bm)
+    n_mx = cdiv(T, min_bm)
     mx = torch.zeros(B * H, n_mx, dtype=torch.float32, device=q.device)
-    launch[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)](
+    launch[lambda meta: (cdiv(T, meta["BLOCK_M"]), B * H)](
         q, k, mx, lengths,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         H, T, seq_bucket(T), n_mx, scale,

@@ -52,6 +52,7 @@ from stabilitylab.kernels.reference import sigmoid_attention_reference  # noqa: 
 from stabilitylab.kernels.triton_support import (
     Tuned,
     capability,
+    cdiv,
     check_attention_inputs,
     interpreted,
     interpreting,
@@ -511,10 +512,6 @@ def launch_forward(
     return _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, lookahead)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv: ~5 us of host time per call (triton 3.9, the CI machine)
-
-
 def _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, lookahead):
     """``launch_forward`` on inputs already made unit-stride along D, with ``tma`` already
     checked: the op's path, which runs these checks once."""
@@ -526,17 +523,17 @@ def _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, 
     if not return_max:
         n_mx = 1
     elif interpreting():
-        n_mx = _cdiv(T, INTERPRETER_BLOCKS["BLOCK_M"])
+        n_mx = cdiv(T, INTERPRETER_BLOCKS["BLOCK_M"])
     else:
         fwd_configs = _configs("fwd", capability(q.device), q.dtype == torch.float32)
-        n_mx = _cdiv(T, min(c.kwargs["BLOCK_M"] for c in fwd_configs))
+        n_mx = cdiv(T, min(c.kwargs["BLOCK_M"] for c in fwd_configs))
     # Without the max the kernel never touches MX: pass a cached scalar (no fill kernel per call).
     mx = (
         torch.zeros(B * H, n_mx, dtype=torch.float32, device=q.device)
         if return_max
         else _unused_f32(q.device)
     )
-    grid = lambda meta: (_cdiv(T, meta["BLOCK_M"]), B * H)
+    grid = lambda meta: (cdiv(T, meta["BLOCK_M"]), B * H)
     args = _kernel_args((q, k, v, out), (mx,), lengths, H, T, n_mx, scale, bias)
     kwargs = dict(RETURN_MAX=return_max, TMA=tma, LOOKAHEAD=lookahead)
     _launch(
@@ -608,7 +605,7 @@ def _backward_launch(
     dq = _empty_bthd_as_bhtd(q)
     common = _common_args(D, q.dtype, log_bias, sigmoid)
     args = _kernel_args((q, k, v, do, dq), (), lengths, H, T, scale, bias)
-    grid = lambda meta: (_cdiv(T, meta["BLOCK_M"]), B * H)
+    grid = lambda meta: (cdiv(T, meta["BLOCK_M"]), B * H)
     _launch(
         _sigmoid_bwd_dq_kernel,
         "dq",
@@ -619,7 +616,7 @@ def _backward_launch(
     )
     dk, dv = _empty_bthd_as_bhtd(k), _empty_bthd_as_bhtd(v)
     args = _kernel_args((q, k, v, do, dk, dv), (), lengths, H, T, scale, bias)
-    grid = lambda meta: (_cdiv(T, meta["BLOCK_N"]), B * H)
+    grid = lambda meta: (cdiv(T, meta["BLOCK_N"]), B * H)
     _launch(
         _sigmoid_bwd_dkdv_kernel,
         "dkdv",

@@ -45,6 +45,12 @@ def compiled(kernel):
     return JITFunction(kernel.fn)
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host: ``triton.cdiv`` costs ~5 us per call (triton 3.9, the CI
+    machine), and launchers call it on every launch."""
+    return -(-a // b)
+
+
 def seq_bucket(T: int) -> int:
     """Autotune key for the sequence length: next power of two, so nearby T share a config."""
     # Plain int arithmetic: triton.next_power_of_2 costs ~3 us per host call (triton 3.9, CPU).

@@ -429,3 +429,16 @@ def test_straight_launch_equals_the_autotuned_one(monkeypatch):
         results.append((out, max_BH, *torch.autograd.grad(out, leaves, g)))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_host_integer_helpers_match_triton():
+    """The launchers' plain-int ceiling division and T bucket (cheaper on the host than Triton's
+    constexpr functions) agree with ``triton.cdiv`` / ``triton.next_power_of_2``."""
+    import triton
+
+    from stabilitylab.kernels.triton_support import cdiv, seq_bucket
+
+    for n in [*range(1, 300), 1023, 1024, 1025, 4095, 4096, 4097, 8191, 8192, 16384, 16385]:
+        for b in (16, 32, 64, 128):
+            assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
+        assert seq_bucket(n) == triton.next_power_of_2(max(n, 16)), n

@@ -2,11 +2,33 @@
 wheel (the H200 image's version): python3 -m venv v && v/bin/pip install triton==3.6.0 &&
 v/bin/python comp.py. Writes <tag>.ttgir / <tag>.ptx beside it. Tags: pers / grid = the integrated
 kernel (persistent_integrated.patch) with PERSISTENT True / False; now = the committed kernel;
-exp / exp0 = the experimental `_fwd_persist` (.dev/persist.py) with FLATTEN True / False.
+exp / exp0 = the experimental `_fwd_persist` (../h200-2026-11-29-s5/persist_fwd2/persist.py) with
+FLATTEN True / False.
 Specialisation as at the bench shapes (strides, T, H, BH divisible by 16; mx_stride = 1).
 ptxas -arch=sm_90a -v on the PTX: exp 189 registers, pers 191, grid 172, now 173; no spills."""
 import sys, importlib, os
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noqa: E402
+import ast
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+
+
+def extract(path, name, module):
+    """Write the @triton.jit function ``name`` of ``path`` alone into HERE/<module>.py (Triton needs
+    a source file for it)."""
+    src = open(path).read()
+    node = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    lines = src.splitlines()[node.decorator_list[0].lineno - 1 : node.end_lineno]
+    with open(os.path.join(HERE, module + ".py"), "w") as f:
+        f.write("import triton\nimport triton.language as tl\n\n" + "\n".join(lines) + "\n")
+
+
+# k_pers.py (kept here) is the integrated kernel of persistent_integrated.patch; the other two are
+# cut from the files they live in.
+extract(os.path.join(REPO, "kernels", "sigmoid_attention.py"), "_sigmoid_fwd_kernel", "k_now")
+extract(os.path.join(REPO, "results", "bench", "h200-2026-11-29-s5", "persist_fwd2", "persist.py"),
+        "_fwd_persist", "k_exp")
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
