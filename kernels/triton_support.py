@@ -46,7 +46,7 @@ def compiled(kernel):
 
 
 def cdiv(a: int, b: int) -> int:
-    """Ceiling division on the host: ``triton.cdiv`` costs ~5 us per call (triton 3.9, the CI
+    """Ceiling division on the host: ``triton.cdiv`` costs ~4 us per call (triton 3.9, the CI
     machine), and launchers call it on every launch."""
     return -(-a // b)
 
