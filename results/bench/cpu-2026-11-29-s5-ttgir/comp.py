@@ -24,8 +24,30 @@ def extract(path, name, module):
         f.write("import triton\nimport triton.language as tl\n\n" + "\n".join(lines) + "\n")
 
 
-# k_pers.py (kept here) is the integrated kernel of persistent_integrated.patch; the other two are
-# cut from the files they live in.
+def integrated_source() -> str:
+    """kernels/sigmoid_attention.py of c78f5b6 with persistent_integrated.patch applied (needs git
+    and patch): the integrated persistent kernel, which no committed file holds."""
+    import subprocess
+    import tempfile
+
+    patch = os.path.join(REPO, "results", "bench", "h200-2026-11-29-s5", "bardiag_persistent",
+                         "persistent_integrated.patch")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.makedirs(os.path.join(tmp, "kernels"))
+        for rel in ("kernels/sigmoid_attention.py", "kernels/triton_support.py",
+                    "kernels/sweep_configs.py", "tests/test_kernels.py"):
+            os.makedirs(os.path.join(tmp, os.path.dirname(rel)), exist_ok=True)
+            with open(os.path.join(tmp, rel), "w") as f:
+                subprocess.run(["git", "-C", REPO, "show", f"c78f5b6:{rel}"], stdout=f, check=True)
+        subprocess.run(["patch", "-s", "-p1", "-i", patch], cwd=tmp, check=True)
+        path = os.path.join(HERE, "sa_integrated.py")
+        with open(os.path.join(tmp, "kernels", "sigmoid_attention.py")) as src, open(path, "w") as f:
+            f.write(src.read())
+    return path
+
+
+# The kernels compiled, cut from the files they live in (k_*.py are written beside this script).
+extract(integrated_source(), "_sigmoid_fwd_kernel", "k_pers")
 extract(os.path.join(REPO, "kernels", "sigmoid_attention.py"), "_sigmoid_fwd_kernel", "k_now")
 extract(os.path.join(REPO, "results", "bench", "h200-2026-11-29-s5", "persist_fwd2", "persist.py"),
         "_fwd_persist", "k_exp")
