@@ -8,8 +8,9 @@ Grid: bf16, head dim 64/128, T = 1K..16K, 16,384 tokens per batch (B = 16384 / T
 (H = 2048 / D), padding 0/25/50% (every sequence has L = (1 - p) T valid tokens). TFLOPS count
 valid tokens only: forward 4 H D sum(L^2), backward 2.5x forward; time = do_bench median (ms).
 ``sigmoid-triton`` is the op as the model calls it (lookahead always, TMA from T = 4096 if aligned);
-``sigmoid-triton-plain / -tma / -lookahead`` force the forward's levers off / one on, to measure
-each (forward only: the backward does not change).
+``sigmoid-triton-plain / -tma / -lookahead`` force the forward's levers off / one on, and
+``sigmoid-triton-tma-lookahead`` both on at any T, to measure each (forward only: the backward
+does not change).
 Softmax baselines get a key-padding mask where they support one (cuDNN: boolean mask; flash: none,
 so padded rows are skipped; FlexAttention: a block mask that skips padded blocks). Expected on an
 H200 (shared/notes/kernel-levers.md): cuDNN ~445 fwd TFLOPS at hd64, ~600 at hd128.
@@ -41,13 +42,15 @@ from stabilitylab.kernels.sigmoid_attention import EXACT, TANH_F32, _fwd_op, lau
 TOKENS, HIDDEN = 16_384, 2048
 PROVIDERS = [
     "sigmoid-triton", "sigmoid-triton-exact", "sigmoid-triton-plain", "sigmoid-triton-tma",
-    "sigmoid-triton-lookahead", "cudnn", "flash", "flex", "eager-sigmoid",
+    "sigmoid-triton-lookahead", "sigmoid-triton-tma-lookahead", "cudnn", "flash", "flex",
+    "eager-sigmoid",
 ]  # fmt: skip
 # Forward levers forced (tma, lookahead): forward-only rows.
 LEVER_PROVIDERS = {
     "sigmoid-triton-plain": (False, False),
     "sigmoid-triton-tma": (True, False),
     "sigmoid-triton-lookahead": (False, True),
+    "sigmoid-triton-tma-lookahead": (True, True),
 }
 
 

@@ -40,10 +40,10 @@ EXECUTED = {"fwd": 1.0, "dq": 1.5, "dkdv": 2.0}
 LEVERS = [(False, False), (False, True), (True, False), (True, True)]  # (TMA, LOOKAHEAD)
 
 
-def combos(head_dims, kinds, levers=LEVERS, candidates=CANDIDATES):
+def combos(head_dims, kinds, levers=LEVERS, candidates=CANDIDATES, fwd_levers=((True, True),)):
     for D, kind in itertools.product(head_dims, kinds):
-        # The forward's levers were swept before (docs/BENCHMARKS.md): only its configs here.
-        for lev in [(True, True)] if kind == "fwd" else levers:
+        # The forward's levers were swept before (docs/BENCHMARKS.md): TMA + lookahead by default.
+        for lev in fwd_levers if kind == "fwd" else levers:
             for cfg in candidates[kind]:
                 yield D, kind, lev, cfg
 
@@ -77,8 +77,6 @@ def runner(kind, D, lev, cfg, tensors):
     bm, bn, warps, stages = cfg
     tma, la = lev
     interp = os.environ.get("TRITON_INTERPRET") == "1"  # a CPU smoke test of this script
-    if tma and not interp:
-        triton.set_allocator(sa._device_allocator)
     common = dict(
         HEAD_DIM=D, LOG_BIAS=True, SIGMOID=0 if interp else sa.TANH_F32, DOT_PRECISION="tf32", TMA=tma,
         LOOKAHEAD=la, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
@@ -92,16 +90,20 @@ def runner(kind, D, lev, cfg, tensors):
         args = sa._kernel_args((q, k, v, out), (mx,), lengths, H, T, n_mx, scale, 0.0)
         kern, outs = sa._sigmoid_fwd_kernel, (out,)
         common["RETURN_MAX"] = False
+        common.update(sa._descriptors(tma, QD=q, KD=k, VD=v))
     elif kind == "dq":
         dq = sa._empty_bthd_as_bhtd(q)
         grid = (triton.cdiv(T, bm), B * H)
         args = sa._kernel_args((q, k, v, do, dq), (), lengths, H, T, scale, 0.0)
         kern, outs = sa._sigmoid_bwd_dq_kernel, (dq,)
+        common.update(sa._descriptors(tma, KD=k, VD=v))
     else:
         dk, dv = sa._empty_bthd_as_bhtd(k), sa._empty_bthd_as_bhtd(v)
         grid = (triton.cdiv(T, bn), B * H)
         args = sa._kernel_args((q, k, v, do, dk, dv), (), lengths, H, T, scale, 0.0)
         kern, outs = sa._sigmoid_bwd_dkdv_kernel, (dk, dv)
+        common.update(sa._descriptors(tma, QD=q, DOD=do))
+    sa.set_blocks(common)
     return (lambda: kern[grid](*args, **common)), outs
 
 
@@ -136,7 +138,7 @@ def cudnn_tflops(q, k, v, do) -> tuple[float, float]:
     return full / fwd_ms * 1e-9, 2.5 * full / bwd_ms * 1e-9
 
 
-def time_all(D, seq_lens, pads, gpu, out_csv, kinds, levers, candidates, repeat):
+def time_all(D, seq_lens, pads, gpu, out_csv, kinds, levers, candidates, repeat, fwd_levers):
     from stabilitylab.kernels.bench_attention import flops_fwd
 
     torch.cuda.set_device(gpu)
@@ -148,7 +150,7 @@ def time_all(D, seq_lens, pads, gpu, out_csv, kinds, levers, candidates, repeat)
         ref = {}
         fns = []
         for kind in kinds:
-            for _, _, lev, cfg in combos([D], [kind], levers, candidates):
+            for _, _, lev, cfg in combos([D], [kind], levers, candidates, fwd_levers):
                 row = dict(D=D, T=T, pad=pad, kernel=kind, tma=lev[0], lookahead=lev[1],
                            config="x".join(map(str, cfg)), ms=float("nan"), err="")  # fmt: skip
                 try:
@@ -234,6 +236,7 @@ def main(argv=None) -> None:
         default=["00", "01", "10", "11"],
         help="TMA and LOOKAHEAD as two digits, e.g. 10 = TMA without lookahead",
     )
+    p.add_argument("--fwd-levers", nargs="+", default=["11"], help="the same, for the forward")
     p.add_argument("--configs", nargs="*", default=[], help="KIND=BMxBNxWxS,... per kind")
     p.add_argument("--repeat", type=int, default=1, help="interleaved timing rounds (median)")
     p.add_argument("--workers", type=int, default=12)
@@ -244,8 +247,9 @@ def main(argv=None) -> None:
     os.makedirs(a.out, exist_ok=True)
     n_gpu = torch.cuda.device_count()
     levers = [(x[0] == "1", x[1] == "1") for x in a.levers]
+    fwd_levers = [(x[0] == "1", x[1] == "1") for x in a.fwd_levers]
     candidates = parse_configs(a.configs)
-    jobs = list(combos(a.head_dims, a.kinds, levers, candidates))
+    jobs = list(combos(a.head_dims, a.kinds, levers, candidates, fwd_levers))
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=warm, args=(jobs[i :: a.workers], i % n_gpu))
              for i in range(a.workers)]  # fmt: skip
@@ -256,7 +260,7 @@ def main(argv=None) -> None:
     print(f"compiled {len(jobs)} variants", flush=True)
     procs = [ctx.Process(target=time_all,
                          args=(D, a.seq_lens, a.paddings, i % n_gpu, f"{a.out}/sweep_d{D}.csv",
-                               a.kinds, levers, candidates, a.repeat))
+                               a.kinds, levers, candidates, a.repeat, fwd_levers))
              for i, D in enumerate(a.head_dims)]  # fmt: skip
     for pr in procs:
         pr.start()
