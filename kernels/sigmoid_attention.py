@@ -22,10 +22,9 @@ drop out of P V, dP and |S| without an elementwise mask; a program whose tile is
 skips its loop (writes zeros) and the loops stop at the last valid tile, so work scales with
 sum(L^2), not B T^2.
 
-Forward levers (constexprs, measured in docs/BENCHMARKS.md): ``TMA`` loads the loop's full tiles
-through tensor descriptors that the host builds over each (B, H, T, D) tensor (Hopper+, aligned
-strides) and the partial last tile of each sequence with masked loads (the descriptors zero-fill
-past T, not past L_b); ``LOOKAHEAD`` issues the scores of key tile j+1 before the sigmoid of tile j,
+Forward levers (constexprs, measured in docs/BENCHMARKS.md): ``TMA`` loads tiles through one
+tensor descriptor per (b, h) over the valid rows (Hopper+, aligned strides; the hardware zero-fills
+past L_b, so no masks); ``LOOKAHEAD`` issues the scores of key tile j+1 before the sigmoid of tile j,
 so the special-function unit overlaps the tensor cores (one extra q k^T per query tile). Why it
 matters on an H200, per score: the two products cost 4 D flops (~990 TFLOPS dense bf16), the
 sigmoid one MUFU op (~3.9 T/s): at D = 64 the two take about as long, at D = 128 the MUFU half as
@@ -48,7 +47,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from stabilitylab.kernels.reference import sigmoid_attention_reference  # noqa: F401  (the maths)
 from stabilitylab.kernels.triton_support import (
@@ -73,7 +71,7 @@ EXACT, TANH_F32 = 0, 1
 def _sigmoid_fwd_kernel(
     Q, K, V, Out, MX, LENS,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
-    H, T, T_BUCKET, mx_stride, scale, bias, QD, KD, VD,
+    H, T, T_BUCKET, mx_stride, scale, bias,
     HEAD_DIM: tl.constexpr, LOG_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
     RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     LOOKAHEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -101,36 +99,42 @@ def _sigmoid_fwd_kernel(
         c_s = 0.5 * bias_b
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     mx = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    # A query tile wholly in padding does no work at all: no loads, no scores.
+    # A query tile wholly in padding does no work at all: no descriptors, no loads, no scores.
     if start_m < L:
-        # TMA: the host's descriptors over (B, H, T, D) zero-fill past T but not past L_b, so they
-        # carry the full key tiles only, and the partial last tile is loaded with masks after the
-        # loop. Query rows past L_b hold padding data there: the output and max mask them.
+        # TMA: one descriptor per (b, h) over the L_b valid rows; the hardware zero-fills the rest.
         if TMA:
-            q = QD.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+            q_desc = tl.make_tensor_descriptor(
+                q_base, shape=[L, HEAD_DIM], strides=[sqt, 1], block_shape=[BLOCK_M, HEAD_DIM]
+            )
+            k_desc = tl.make_tensor_descriptor(
+                k_base, shape=[L, HEAD_DIM], strides=[skt, 1], block_shape=[BLOCK_N, HEAD_DIM]
+            )
+            v_desc = tl.make_tensor_descriptor(
+                v_base, shape=[L, HEAD_DIM], strides=[svt, 1], block_shape=[BLOCK_N, HEAD_DIM]
+            )
+            q = q_desc.load([start_m, 0])
         else:
             q = tl.load(
                 q_base + offs_m[:, None] * sqt + offs_d[None, :],
                 mask=offs_m[:, None] < L,
                 other=0.0,
             )
-        n_main = (L // BLOCK_N) * BLOCK_N if TMA else L
         qk = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if LOOKAHEAD:  # scores of the first key tile, ahead of the loop
             if TMA:
-                k0 = KD.load([b, h, 0, 0]).reshape(BLOCK_N, HEAD_DIM)
+                k0 = k_desc.load([0, 0])
             else:
                 k0 = tl.load(k_base + offs_n[:, None] * skt + offs_d[None, :],
                              mask=offs_n[:, None] < L, other=0.0)  # fmt: skip
             qk = tl.dot(q, tl.trans(k0), input_precision=DOT_PRECISION)
-        for start_n in range(0, n_main, BLOCK_N):
+        for start_n in range(0, L, BLOCK_N):
             # LOOKAHEAD: load key tile j+1 and issue its scores (an asynchronous wgmma on Hopper)
-            # before the sigmoid of tile j, so the MUFU works while the tensor cores do. Scores of
-            # a tile past the loop (zeros past T, padding data past L_b) are discarded.
+            # before the sigmoid of tile j, so the MUFU works while the tensor cores do. The tile
+            # past the last valid key is all zeros; its scores are discarded.
             n_k = start_n + BLOCK_N if LOOKAHEAD else start_n
             if TMA:
-                k = KD.load([b, h, n_k, 0]).reshape(BLOCK_N, HEAD_DIM)
-                v = VD.load([b, h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+                k = k_desc.load([n_k, 0])
+                v = v_desc.load([start_n, 0])
             else:
                 rows_k = n_k + offs_n
                 rows_v = start_n + offs_n
@@ -154,32 +158,13 @@ def _sigmoid_fwd_kernel(
                 )
                 p = (0.5 * t + 0.5).to(v.dtype)
             acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
-        if TMA:
-            if n_main < L:  # the partial last key tile: masked loads, padded keys are 0
-                rows_n = n_main + offs_n
-                k = tl.load(k_base + rows_n[:, None] * skt + offs_d[None, :],
-                            mask=rows_n[:, None] < L, other=0.0)  # fmt: skip
-                v = tl.load(v_base + rows_n[:, None] * svt + offs_d[None, :],
-                            mask=rows_n[:, None] < L, other=0.0)  # fmt: skip
-                qk_now = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-                if RETURN_MAX:
-                    mx = tl.maximum(mx, tl.max(tl.abs(qk_now), axis=1))
-                x = qk_now * a_s + c_s
-                if SIGMOID == 0:
-                    p = (1.0 / (1.0 + tl.exp(-x))).to(v.dtype)
-                else:
-                    t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x],
-                                                  dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
-                    p = (0.5 * t + 0.5).to(v.dtype)
-                acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
     # Padded query rows saw q = 0, so acc holds sigmoid(b) * sum(v) there: zero them on the way out.
     acc = tl.where(offs_m[:, None] < L, acc, 0.0)
     tl.store(
         Out + b64 * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :],
         acc.to(Out.dtype.element_ty), mask=offs_m[:, None] < T,
     )  # fmt: skip
-    if RETURN_MAX:  # rows past L_b (padding data under TMA) do not count
-        mx = tl.where(offs_m < L, mx, 0.0)
+    if RETURN_MAX:
         tl.store(MX + pid_bh.to(tl.int64) * mx_stride + pid_m, tl.max(mx, axis=0) * scale)
 
 
@@ -187,7 +172,7 @@ def _sigmoid_fwd_kernel(
 def _sigmoid_bwd_dq_kernel(
     Q, K, V, DO, DQ, LENS,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot, sdqb, sdqh, sdqt,
-    H, T, T_BUCKET, scale, bias, KD, VD,
+    H, T, T_BUCKET, scale, bias,
     HEAD_DIM: tl.constexpr, LOG_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LOOKAHEAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -216,31 +201,32 @@ def _sigmoid_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     # A query tile wholly in padding does no work (its dQ is zero).
     if start_m < L:
+        if TMA:
+            k_desc = tl.make_tensor_descriptor(
+                k_base, shape=[L, HEAD_DIM], strides=[skt, 1], block_shape=[BLOCK_N, HEAD_DIM]
+            )
+            v_desc = tl.make_tensor_descriptor(
+                v_base, shape=[L, HEAD_DIM], strides=[svt, 1], block_shape=[BLOCK_N, HEAD_DIM]
+            )
         row_mask = offs_m[:, None] < L
         q = tl.load(q_base + offs_m[:, None] * sqt + offs_d[None, :], mask=row_mask, other=0.0)
         do = tl.load(do_base + offs_m[:, None] * sdot + offs_d[None, :], mask=row_mask, other=0.0)
-        # TMA: full key tiles through the host's descriptors (no zero-fill past L_b), the partial
-        # last tile with masks after the loop, as in the forward.
-        n_main = (L // BLOCK_N) * BLOCK_N if TMA else L
         s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if LOOKAHEAD:  # scores of the first key tile, ahead of the loop
             if TMA:
-                k0 = KD.load([b, h, 0, 0]).reshape(BLOCK_N, HEAD_DIM)
+                k0 = k_desc.load([0, 0])
             else:
                 k0 = tl.load(k_base + offs_n[:, None] * skt + offs_d[None, :],
                              mask=offs_n[:, None] < L, other=0.0)  # fmt: skip
             s = tl.dot(q, tl.trans(k0), input_precision=DOT_PRECISION)
-        for start_n in range(0, n_main, BLOCK_N):
+        for start_n in range(0, L, BLOCK_N):
             # LOOKAHEAD: the scores of key tile j+1 are issued before the sigmoid of tile j; tile j
             # itself is loaded again for dQ += dS K (an L2 hit, cheaper than carrying it).
             n_s = start_n + BLOCK_N if LOOKAHEAD else start_n
             if TMA:
-                k_s = KD.load([b, h, n_s, 0]).reshape(BLOCK_N, HEAD_DIM)
-                v = VD.load([b, h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-                if LOOKAHEAD:
-                    k = KD.load([b, h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-                else:
-                    k = k_s
+                k_s = k_desc.load([n_s, 0])
+                v = v_desc.load([start_n, 0])
+                k = k_desc.load([start_n, 0]) if LOOKAHEAD else k_s
             else:
                 rows_s = n_s + offs_n
                 rows_n = start_n + offs_n
@@ -271,23 +257,6 @@ def _sigmoid_bwd_dq_kernel(
                 )
                 ds = (1.0 - t * t) * dp  # p (1 - p) = (1 - t^2) / 4; the 1/4 is in ds_scale
             dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-        if TMA:
-            if n_main < L:  # the partial last key tile: masked loads, padded keys are 0
-                rows_n = n_main + offs_n
-                k = tl.load(k_base + rows_n[:, None] * skt + offs_d[None, :],
-                            mask=rows_n[:, None] < L, other=0.0)  # fmt: skip
-                v = tl.load(v_base + rows_n[:, None] * svt + offs_d[None, :],
-                            mask=rows_n[:, None] < L, other=0.0)  # fmt: skip
-                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-                x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * a_s + c_s
-                if SIGMOID == 0:
-                    p = 1.0 / (1.0 + tl.exp(-x))
-                    ds = (p - p * p) * dp
-                else:
-                    t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x],
-                                                  dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
-                    ds = (1.0 - t * t) * dp
-                dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     # Padded query rows have dO = 0, hence dQ = 0 already.
     ds_scale = scale if SIGMOID == 0 else 0.25 * scale
     tl.store(
@@ -301,7 +270,7 @@ def _sigmoid_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LENS,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot,
     sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
-    H, T, T_BUCKET, scale, bias, QD, DOD,
+    H, T, T_BUCKET, scale, bias,
     HEAD_DIM: tl.constexpr, LOG_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LOOKAHEAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -331,32 +300,33 @@ def _sigmoid_bwd_dkdv_kernel(
     dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     # A key tile wholly in padding does no work (its dK, dV are zero).
     if start_n < L:
+        if TMA:
+            q_desc = tl.make_tensor_descriptor(
+                q_base, shape=[L, HEAD_DIM], strides=[sqt, 1], block_shape=[BLOCK_M, HEAD_DIM]
+            )
+            do_desc = tl.make_tensor_descriptor(
+                do_base, shape=[L, HEAD_DIM], strides=[sdot, 1], block_shape=[BLOCK_M, HEAD_DIM]
+            )
         key_mask = offs_n[:, None] < L
         k = tl.load(k_base + offs_n[:, None] * skt + offs_d[None, :], mask=key_mask, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * svt + offs_d[None, :], mask=key_mask, other=0.0)
-        # TMA: full query tiles through the host's descriptors (no zero-fill past L_b), the
-        # partial last tile with masks after the loop, as in the forward.
-        n_main = (L // BLOCK_M) * BLOCK_M if TMA else L
         # Transposed scores (keys x queries) so that P^T and dS^T feed the dots without a transpose.
         s_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if LOOKAHEAD:  # scores of the first query tile, ahead of the loop
             if TMA:
-                q0 = QD.load([b, h, 0, 0]).reshape(BLOCK_M, HEAD_DIM)
+                q0 = q_desc.load([0, 0])
             else:
                 q0 = tl.load(q_base + offs_m[:, None] * sqt + offs_d[None, :],
                              mask=offs_m[:, None] < L, other=0.0)  # fmt: skip
             s_t = tl.dot(k, tl.trans(q0), input_precision=DOT_PRECISION)
-        for start_m in range(0, n_main, BLOCK_M):
+        for start_m in range(0, L, BLOCK_M):
             # LOOKAHEAD: the scores of query tile i+1 are issued before the sigmoid of tile i; tile
             # i itself is loaded again for dK += dS^T Q.
             m_s = start_m + BLOCK_M if LOOKAHEAD else start_m
             if TMA:
-                q_s = QD.load([b, h, m_s, 0]).reshape(BLOCK_M, HEAD_DIM)
-                do = DOD.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
-                if LOOKAHEAD:
-                    q = QD.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
-                else:
-                    q = q_s
+                q_s = q_desc.load([m_s, 0])
+                do = do_desc.load([start_m, 0])
+                q = q_desc.load([start_m, 0]) if LOOKAHEAD else q_s
             else:
                 rows_s = m_s + offs_m
                 rows_m = start_m + offs_m
@@ -389,25 +359,6 @@ def _sigmoid_bwd_dkdv_kernel(
             # Padded queries have dO = 0: their columns add nothing to dV or dS^T.
             dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-        if TMA:
-            if n_main < L:  # the partial last query tile: masked loads, padded queries are 0
-                rows_m = n_main + offs_m
-                q = tl.load(q_base + rows_m[:, None] * sqt + offs_d[None, :],
-                            mask=rows_m[:, None] < L, other=0.0)  # fmt: skip
-                do = tl.load(do_base + rows_m[:, None] * sdot + offs_d[None, :],
-                             mask=rows_m[:, None] < L, other=0.0)  # fmt: skip
-                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-                x_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * a_s + c_s
-                if SIGMOID == 0:
-                    p_t = 1.0 / (1.0 + tl.exp(-x_t))
-                    ds_t = (p_t - p_t * p_t) * dp_t
-                else:
-                    t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x_t],
-                                                  dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
-                    p_t = 0.5 * t + 0.5
-                    ds_t = (1.0 - t * t) * dp_t
-                dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-                dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     # Padded key rows saw k = 0 (and v = 0): zero their dK and dV on the way out.
     ds_scale = scale if SIGMOID == 0 else 0.25 * scale
     valid = offs_n[:, None] < L
@@ -440,9 +391,7 @@ def _configs(kind: str, cap: tuple[int, int], fp32: bool = False) -> tuple[trito
     elif cap[0] >= 9:
         # (BLOCK_M, BLOCK_N, num_warps, num_stages); three each keeps first-call autotuning short.
         blocks = {
-            # Forward: 128 x 128 tiles only fit shared memory at head dim 64; 4 stages won 1-2%
-            # at head dim 128 with the host's descriptors (session 6).
-            "fwd": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3)],
+            "fwd": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3)],
             # Backward lists from kernels/sweep_configs.py (docs/BENCHMARKS.md, sweeps 1-2): dK/dV
             # wants 64 x 64 tiles on 4 warps at hd64 and 64 x 128 on 8 warps at hd128.
             "dq": [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
@@ -455,7 +404,7 @@ def _configs(kind: str, cap: tuple[int, int], fp32: bool = False) -> tuple[trito
             "dkdv": [(32, 64, 4, 2), (64, 64, 4, 2)],
         }[kind]
     return tuple(
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=set_blocks)
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
         for m, n, w, s in blocks
     )
 
@@ -467,7 +416,6 @@ def _launch(kernel, kind: str, q: torch.Tensor, grid, args: tuple, kwargs: dict)
     """Launch ``kernel``: interpreted with one config, or autotuned per architecture and key
     (T bucket, head dim, levers, dtype) and then launched straight with the config chosen."""
     if interpreting():
-        set_blocks({**kwargs, **INTERPRETER_BLOCKS})
         interpreted(kernel)[grid](*args, **kwargs, **INTERPRETER_BLOCKS)
         return
     cap, fp32 = capability(q.device), q.dtype == torch.float32
@@ -510,32 +458,9 @@ def _empty_bthd_as_bhtd(like: torch.Tensor) -> torch.Tensor:
 # reasons not pinned down (docs/LOG.md); an opaque op gives that up for certainty.
 
 
-# TMA descriptors are built on the host, one per (B, H, T, D) tensor, and passed as kernel
-# arguments. Built in the kernel instead (one per program and (b, h), over the L_b valid rows, so
-# the hardware zero-filled the padding), they cost each program a few microseconds before its first
-# load: the hd-128 forward ran 7% / 3% / 1.5% slower at T = 4K / 8K / 16K (docs/BENCHMARKS.md,
-# session 6). The host's descriptors zero-fill past T only, so the kernels take full tiles through
-# them and the partial last tile of each sequence through masked loads.
-_DESC_BLOCK = {"QD": "BLOCK_M", "DOD": "BLOCK_M", "KD": "BLOCK_N", "VD": "BLOCK_N"}
-
-
-def _descriptors(tma: bool, **tensors: torch.Tensor) -> dict:
-    """``{name: descriptor}`` over each (B, H, T, D) tensor (block shape set per config by
-    ``set_blocks``), or ``{name: None}`` without TMA."""
-    if not tma:
-        return dict.fromkeys(tensors)
-    return {
-        name: TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 16, t.shape[3]])
-        for name, t in tensors.items()
-    }
-
-
-def set_blocks(nargs: dict) -> None:
-    """Config pre-hook: each descriptor's block is one tile of its kernel's config."""
-    for name, block in _DESC_BLOCK.items():
-        desc = nargs.get(name)
-        if desc is not None:
-            desc.block_shape = [1, 1, nargs[block], desc.block_shape[3]]
+def _device_allocator(size: int, alignment: int, stream) -> torch.Tensor:
+    """Scratch for the tensor descriptors the kernels build on the device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 @functools.cache
@@ -591,6 +516,8 @@ def _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, 
     """``launch_forward`` on inputs already made unit-stride along D, with ``tma`` already
     checked: the op's path, which runs these checks once."""
     B, H, T, D = q.shape
+    if tma and not interpreting():
+        triton.set_allocator(_device_allocator)
     out = _empty_bthd_as_bhtd(q)
     # Sized for the smallest BLOCK_M of any config; programs that do not exist leave a neutral 0.
     if not return_max:
@@ -609,7 +536,6 @@ def _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, 
     grid = lambda meta: (cdiv(T, meta["BLOCK_M"]), B * H)
     args = _kernel_args((q, k, v, out), (mx,), lengths, H, T, n_mx, scale, bias)
     kwargs = dict(RETURN_MAX=return_max, TMA=tma, LOOKAHEAD=lookahead)
-    kwargs.update(_descriptors(tma, QD=q, KD=k, VD=v))
     _launch(
         _sigmoid_fwd_kernel,
         "fwd",
@@ -674,6 +600,8 @@ def _backward_launch(
     """``launch_backward`` on checked inputs (the op's path). The dQ kernel is launched before
     dK and dV are even allocated: host time ahead of the first launch is GPU idle time."""
     B, H, T, D = q.shape
+    if (tma_dq or tma_dkdv) and not interpreting():
+        triton.set_allocator(_device_allocator)
     dq = _empty_bthd_as_bhtd(q)
     common = _common_args(D, q.dtype, log_bias, sigmoid)
     args = _kernel_args((q, k, v, do, dq), (), lengths, H, T, scale, bias)
@@ -684,7 +612,7 @@ def _backward_launch(
         q,
         grid,
         args,
-        {**common, "TMA": tma_dq, "LOOKAHEAD": lookahead, **_descriptors(tma_dq, KD=k, VD=v)},
+        {**common, "TMA": tma_dq, "LOOKAHEAD": lookahead},
     )
     dk, dv = _empty_bthd_as_bhtd(k), _empty_bthd_as_bhtd(v)
     args = _kernel_args((q, k, v, do, dk, dv), (), lengths, H, T, scale, bias)
@@ -695,9 +623,8 @@ def _backward_launch(
         q,
         grid,
         args,
-        {**common, "TMA": tma_dkdv, "LOOKAHEAD": lookahead,
-         **_descriptors(tma_dkdv, QD=q, DOD=do)},
-    )  # fmt: skip
+        {**common, "TMA": tma_dkdv, "LOOKAHEAD": lookahead},
+    )
     return dq, dk, dv
 
 

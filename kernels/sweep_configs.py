@@ -77,6 +77,8 @@ def runner(kind, D, lev, cfg, tensors):
     bm, bn, warps, stages = cfg
     tma, la = lev
     interp = os.environ.get("TRITON_INTERPRET") == "1"  # a CPU smoke test of this script
+    if tma and not interp:
+        triton.set_allocator(sa._device_allocator)
     common = dict(
         HEAD_DIM=D, LOG_BIAS=True, SIGMOID=0 if interp else sa.TANH_F32, DOT_PRECISION="tf32", TMA=tma,
         LOOKAHEAD=la, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
@@ -90,20 +92,16 @@ def runner(kind, D, lev, cfg, tensors):
         args = sa._kernel_args((q, k, v, out), (mx,), lengths, H, T, n_mx, scale, 0.0)
         kern, outs = sa._sigmoid_fwd_kernel, (out,)
         common["RETURN_MAX"] = False
-        common.update(sa._descriptors(tma, QD=q, KD=k, VD=v))
     elif kind == "dq":
         dq = sa._empty_bthd_as_bhtd(q)
         grid = (triton.cdiv(T, bm), B * H)
         args = sa._kernel_args((q, k, v, do, dq), (), lengths, H, T, scale, 0.0)
         kern, outs = sa._sigmoid_bwd_dq_kernel, (dq,)
-        common.update(sa._descriptors(tma, KD=k, VD=v))
     else:
         dk, dv = sa._empty_bthd_as_bhtd(k), sa._empty_bthd_as_bhtd(v)
         grid = (triton.cdiv(T, bn), B * H)
         args = sa._kernel_args((q, k, v, do, dk, dv), (), lengths, H, T, scale, 0.0)
         kern, outs = sa._sigmoid_bwd_dkdv_kernel, (dk, dv)
-        common.update(sa._descriptors(tma, QD=q, DOD=do))
-    sa.set_blocks(common)
     return (lambda: kern[grid](*args, **common)), outs
 
 

@@ -75,7 +75,6 @@ class Tuned:
         self.jit = compiled(kernel)
         self.tuner = triton.autotune(configs=list(configs), key=key_names)(self.jit)
         self._best: dict[tuple, dict] = {}
-        self._hook: dict[tuple, object] = {}  # the chosen config's pre_hook, as the tuner runs it
 
     @property
     def cache(self) -> dict:
@@ -92,11 +91,7 @@ class Tuned:
             chosen = getattr(self.tuner, "best_config", None)  # set by every autotuner run
             if chosen is not None:
                 self._best[key] = chosen.all_kwargs()
-                self._hook[key] = chosen.pre_hook
         else:
-            hook = self._hook[key]
-            if hook is not None:  # kernel arguments only (the autotuner adds its own nargs)
-                hook({**kwargs, **best})
             self.jit[grid](*args, **kwargs, **best)
 
 

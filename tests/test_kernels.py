@@ -32,8 +32,8 @@ ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
 DTYPES = [torch.float16, torch.float32, pytest.param(torch.bfloat16, marks=gpu)]
 # (T, lengths) per device: tiny in the interpreter, several production tiles on the GPU.
-# "whole_tiles": lengths that end on a tile boundary short of T, so the TMA loops end without a
-# masked last tile and their look-ahead tile lies in the NaN padding.
+# "whole_tiles": lengths that end on a tile boundary short of T, so the last key tile is full and
+# the look-ahead tile past it lies wholly in the NaN padding.
 SHAPES = {
     "cpu": {
         "odd": (37, [37, 19]),
@@ -391,22 +391,19 @@ def test_autotune_choices_name_kernel_key_and_config():
 
 def test_tuned_autotunes_once_per_key_then_launches_straight():
     """The launcher pays the autotuner's dispatch only at a key's first call; later calls launch
-    the JIT kernel with the chosen config's kwargs, after its pre-hook (which sets the TMA
-    descriptors' blocks) has seen the kernel's kwargs and the config's."""
+    the JIT kernel with the chosen config's kwargs."""
     from types import SimpleNamespace
 
     import triton
 
     from stabilitylab.kernels.triton_support import Tuned, autotune_choices
 
-    calls, hooked = [], []
+    calls = []
 
     class Fake:
         def __init__(self, name):
             self.name = name
-            self.best_config = triton.Config(
-                {"BLOCK_M": 64}, num_warps=4, num_stages=2, pre_hook=hooked.append
-            )
+            self.best_config = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=2)
             self.cache = {(4096, 64): self.best_config}
             self.base_fn = SimpleNamespace(__name__="_k")
 
@@ -414,12 +411,10 @@ def test_tuned_autotunes_once_per_key_then_launches_straight():
             return lambda *args, **kwargs: calls.append((self.name, args, kwargs))
 
     tuned = Tuned.__new__(Tuned)
-    tuned.jit, tuned.tuner, tuned._best, tuned._hook = Fake("jit"), Fake("tuner"), {}, {}
+    tuned.jit, tuned.tuner, tuned._best = Fake("jit"), Fake("tuner"), {}
     for key in [("T4096",), ("T4096",), ("T8192",), ("T4096",)]:
         tuned.launch(None, key, 1, 2, HEAD_DIM=64)
     assert [c[0] for c in calls] == ["tuner", "jit", "tuner", "jit"]
-    assert len(hooked) == 2, "the straight launches run the hook (the tuner runs its own)"
-    assert all(h["HEAD_DIM"] == 64 and h["BLOCK_M"] == 64 for h in hooked)
     _, args, kwargs = calls[1]
     assert args == (1, 2) and kwargs["HEAD_DIM"] == 64
     assert kwargs["BLOCK_M"] == 64 and kwargs["num_warps"] == 4 and kwargs["num_stages"] == 2
