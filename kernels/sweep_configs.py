@@ -8,9 +8,10 @@ share Triton's disk cache), checks the result against the first variant of that 
 (the plain kernel at the first config for dQ and dK/dV; TMA + lookahead for the forward; a
 miscompiled variant is flagged, not timed as a win), and times it with ``do_bench`` (median ms) at
 bf16, 16,384 tokens per batch, hidden 2048, as ``kernels/bench_attention.py``. Head dim 64 runs on
-one GPU and 128 on another when two are visible. Prints, per head dim and T, the best config per
-(kernel, levers) and the backward TFLOPS (2.5 x 4 H D sum L^2) the best pair would give, next to
-SDPA cuDNN's in the same process. This is how the production lists in ``_configs`` are chosen.
+one GPU and 128 on another when two are visible, one after the other on a single GPU. Prints,
+per head dim and T, the best config per (kernel, levers) and the backward TFLOPS
+(2.5 x 4 H D sum L^2) the best pair would give, next to SDPA cuDNN's in the same process. This is
+how the production lists in ``_configs`` are chosen.
 """
 
 from __future__ import annotations
@@ -260,10 +261,12 @@ def main(argv=None) -> None:
                          args=(D, a.seq_lens, a.paddings, i % n_gpu, f"{a.out}/sweep_d{D}.csv",
                                a.kinds, levers, candidates, a.repeat, fwd_levers))
              for i, D in enumerate(a.head_dims)]  # fmt: skip
-    for pr in procs:
-        pr.start()
-    for pr in procs:
-        pr.join()
+    # One timing process per GPU at a time: two on one GPU would halve each other's figures.
+    for wave in range(0, len(procs), n_gpu):
+        for pr in procs[wave : wave + n_gpu]:
+            pr.start()
+        for pr in procs[wave : wave + n_gpu]:
+            pr.join()
     df = pd.concat(pd.read_csv(f"{a.out}/sweep_d{D}.csv") for D in a.head_dims)
     df.to_csv(f"{a.out}/sweep.csv", index=False)
     text = summarise(df)
