@@ -7,10 +7,10 @@
 Grid: bf16, head dim 64/128, T = 1K..16K, 16,384 tokens per batch (B = 16384 / T), hidden 2048
 (H = 2048 / D), padding 0/25/50% (every sequence has L = (1 - p) T valid tokens). TFLOPS count
 valid tokens only: forward 4 H D sum(L^2), backward 2.5x forward; time = do_bench median (ms).
-``sigmoid-triton`` is the op as the model calls it (lookahead always, TMA from T = 4096 if aligned);
-``sigmoid-triton-plain / -tma / -lookahead`` force the forward's levers off / one on, and
-``sigmoid-triton-tma-lookahead`` both on at any T, to measure each (forward only: the backward
-does not change).
+``sigmoid-triton`` is the op as the model calls it (lookahead always, TMA from T = 4096 if aligned,
+q in registers at head dim 128); ``sigmoid-triton-plain / -tma / -lookahead`` force the forward's
+levers off / one on, ``sigmoid-triton-tma-lookahead`` both on at any T, and ``-tma-lookahead-aregs``
+those and q in registers, to measure each (forward only: the backward does not change).
 Softmax baselines get a key-padding mask where they support one (cuDNN: boolean mask; flash: none,
 so padded rows are skipped; FlexAttention: a block mask that skips padded blocks). Expected on an
 H200 (shared/notes/kernel-levers.md): cuDNN ~445 fwd TFLOPS at hd64, ~600 at hd128.
@@ -42,15 +42,16 @@ from stabilitylab.kernels.sigmoid_attention import EXACT, TANH_F32, _fwd_op, lau
 TOKENS, HIDDEN = 16_384, 2048
 PROVIDERS = [
     "sigmoid-triton", "sigmoid-triton-exact", "sigmoid-triton-plain", "sigmoid-triton-tma",
-    "sigmoid-triton-lookahead", "sigmoid-triton-tma-lookahead", "cudnn", "flash", "flex",
-    "eager-sigmoid",
+    "sigmoid-triton-lookahead", "sigmoid-triton-tma-lookahead", "sigmoid-triton-tma-lookahead-aregs",
+    "cudnn", "flash", "flex", "eager-sigmoid",
 ]  # fmt: skip
-# Forward levers forced (tma, lookahead): forward-only rows.
+# Forward levers forced (tma, lookahead, a_regs): forward-only rows.
 LEVER_PROVIDERS = {
-    "sigmoid-triton-plain": (False, False),
-    "sigmoid-triton-tma": (True, False),
-    "sigmoid-triton-lookahead": (False, True),
-    "sigmoid-triton-tma-lookahead": (True, True),
+    "sigmoid-triton-plain": (False, False, False),
+    "sigmoid-triton-tma": (True, False, False),
+    "sigmoid-triton-lookahead": (False, True, False),
+    "sigmoid-triton-tma-lookahead": (True, True, False),
+    "sigmoid-triton-tma-lookahead-aregs": (True, True, True),
 }
 
 
@@ -79,10 +80,11 @@ def provider_fn(name: str, q, k, v, lengths_B) -> Callable[[], torch.Tensor] | N
     if name == "sigmoid-triton-exact":
         return lambda: sigmoid_attention(q, k, v, lengths_B, exact=True)[0]
     if name in LEVER_PROVIDERS:
-        tma, lookahead = LEVER_PROVIDERS[name]
+        tma, lookahead, a_regs = LEVER_PROVIDERS[name]
         args = (lengths_B, 1 / math.sqrt(D), 0.0, True, TANH_F32, False)
         qd, kd, vd = (t.detach() for t in (q, k, v))
-        return lambda: launch_forward(qd, kd, vd, *args, tma=tma, lookahead=lookahead)[0]
+        levers = dict(tma=tma, lookahead=lookahead, a_regs=a_regs)
+        return lambda: launch_forward(qd, kd, vd, *args, **levers)[0]
     if name == "cudnn":
         mask = valid_BT[:, None, None, :] if padded else None
 

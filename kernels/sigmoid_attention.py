@@ -30,13 +30,21 @@ matters on an H200, per score: the two products cost 4 D flops (~990 TFLOPS dens
 sigmoid one MUFU op (~3.9 T/s): at D = 64 the two take about as long, at D = 128 the MUFU half as
 long; run back to back they cap the forward near 500 and 650 TFLOPS. The backward kernels take
 the same two constexprs (``BWD_LEVERS`` holds the op's choice: TMA in the dK/dV kernel only,
-from T = 4096; lookahead off, it cost 17-39% there) and issue dP before the sigmoid.
+from T = 4096; lookahead off, it cost 17-39% there) and issue dP before the sigmoid. ``A_REGS``
+passes the loop-invariant tiles (the forward's q; dQ's q and dO; dK/dV's k and v) through an
+opaque register move, so the wgmmas take them from registers and read only the streamed tile
+from shared memory: the forward uses it with TMA at head dim 128 (``use_a_regs``). Why it may
+help there (an estimate, not measured): a 64 x 64 x 16 wgmma with both operands in shared memory
+reads 4 KB in the ~32 cycles the tensor cores need for it, about all the 128 B per cycle an SM's
+shared memory delivers, while the TMA refills it too. The backward does not use it (it lost).
 
 Sigmoid modes (constexpr ``SIGMOID``): 0 exact ``1/(1+exp(-x))``; 1 ``0.5 tanh(x/2) + 0.5`` with
 ``tanh.approx.f32`` (one MUFU op, the default for 16-bit inputs). Inline PTX cannot run in the
 interpreter, so the launcher picks mode 0 there at call time. Not used: packed
 ``tanh.approx.bf16x2`` - with b = -log n most p are ~1/n, and 0.5 + 0.5 t with t near -1 in bf16
-leaves p no significant bits (max abs error 0.17 vs 0.004, docs/LOG.md).
+leaves p no significant bits (max abs error 0.17 vs 0.004, docs/LOG.md); nor one sigmoid in four
+on the FMA pipe (exponent-bit 2^x, a Newton reciprocal): the loops are nearly issue-bound already
+and it lost 2-17% in every kernel (session 7, docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -74,7 +82,7 @@ def _sigmoid_fwd_kernel(
     H, T, T_BUCKET, mx_stride, scale, bias,
     HEAD_DIM: tl.constexpr, LOG_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
     RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    LOOKAHEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOOKAHEAD: tl.constexpr, A_REGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -119,6 +127,11 @@ def _sigmoid_fwd_kernel(
                 mask=offs_m[:, None] < L,
                 other=0.0,
             )
+        if A_REGS:  # q through an opaque move: the q k^T wgmma reads q from registers
+            q = tl.inline_asm_elementwise(
+                "mov.b32 $0, $1;", "=r,r", [q], dtype=q.dtype, is_pure=True,
+                pack=32 // q.dtype.primitive_bitwidth,
+            )  # fmt: skip
         qk = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if LOOKAHEAD:  # scores of the first key tile, ahead of the loop
             if TMA:
@@ -175,7 +188,7 @@ def _sigmoid_bwd_dq_kernel(
     H, T, T_BUCKET, scale, bias,
     HEAD_DIM: tl.constexpr, LOG_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LOOKAHEAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    A_REGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -211,6 +224,15 @@ def _sigmoid_bwd_dq_kernel(
         row_mask = offs_m[:, None] < L
         q = tl.load(q_base + offs_m[:, None] * sqt + offs_d[None, :], mask=row_mask, other=0.0)
         do = tl.load(do_base + offs_m[:, None] * sdot + offs_d[None, :], mask=row_mask, other=0.0)
+        if A_REGS:  # q and dO through opaque moves: the wgmmas read them from registers
+            q = tl.inline_asm_elementwise(
+                "mov.b32 $0, $1;", "=r,r", [q], dtype=q.dtype, is_pure=True,
+                pack=32 // q.dtype.primitive_bitwidth,
+            )  # fmt: skip
+            do = tl.inline_asm_elementwise(
+                "mov.b32 $0, $1;", "=r,r", [do], dtype=do.dtype, is_pure=True,
+                pack=32 // do.dtype.primitive_bitwidth,
+            )  # fmt: skip
         s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if LOOKAHEAD:  # scores of the first key tile, ahead of the loop
             if TMA:
@@ -273,7 +295,7 @@ def _sigmoid_bwd_dkdv_kernel(
     H, T, T_BUCKET, scale, bias,
     HEAD_DIM: tl.constexpr, LOG_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, LOOKAHEAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    A_REGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -310,6 +332,15 @@ def _sigmoid_bwd_dkdv_kernel(
         key_mask = offs_n[:, None] < L
         k = tl.load(k_base + offs_n[:, None] * skt + offs_d[None, :], mask=key_mask, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * svt + offs_d[None, :], mask=key_mask, other=0.0)
+        if A_REGS:  # k and v through opaque moves: the wgmmas read them from registers
+            k = tl.inline_asm_elementwise(
+                "mov.b32 $0, $1;", "=r,r", [k], dtype=k.dtype, is_pure=True,
+                pack=32 // k.dtype.primitive_bitwidth,
+            )  # fmt: skip
+            v = tl.inline_asm_elementwise(
+                "mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype, is_pure=True,
+                pack=32 // v.dtype.primitive_bitwidth,
+            )  # fmt: skip
         # Transposed scores (keys x queries) so that P^T and dS^T feed the dots without a transpose.
         s_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if LOOKAHEAD:  # scores of the first query tile, ahead of the loop
@@ -421,19 +452,26 @@ def _launch(kernel, kind: str, q: torch.Tensor, grid, args: tuple, kwargs: dict)
     cap, fp32 = capability(q.device), q.dtype == torch.float32
     tuned = _TUNED.get((kernel, cap, fp32))
     if tuned is None:
+        levers = ["TMA", "LOOKAHEAD", "SIGMOID", "A_REGS"]
         tuned = _TUNED[(kernel, cap, fp32)] = Tuned(
-            kernel, _configs(kind, cap, fp32), ["T_BUCKET", "HEAD_DIM", "TMA", "LOOKAHEAD"]
+            kernel, _configs(kind, cap, fp32), ["T_BUCKET", "HEAD_DIM", *levers]
         )
-    key = (seq_bucket(q.shape[2]), kwargs["HEAD_DIM"], kwargs["TMA"], kwargs["LOOKAHEAD"], q.dtype)
+    key = (
+        seq_bucket(q.shape[2]), kwargs["HEAD_DIM"], kwargs["TMA"], kwargs["LOOKAHEAD"],
+        kwargs["SIGMOID"], kwargs["A_REGS"], q.dtype,
+    )  # fmt: skip
     tuned.launch(grid, key, *args, **kwargs)
 
 
-def _common_args(D: int, dtype: torch.dtype, log_bias: bool, sigmoid: int) -> dict:
+def _common_args(D: int, dtype: torch.dtype, log_bias: bool, sigmoid: int, a_regs: bool) -> dict:
+    """Constexprs every kernel takes. Inline PTX cannot run in the interpreter: there the exact
+    sigmoid and no register moves, whatever was asked."""
     return {
         "HEAD_DIM": D,
         "LOG_BIAS": log_bias,
         "SIGMOID": EXACT if interpreting() else sigmoid,
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "A_REGS": a_regs and not interpreting(),
     }
 
 
@@ -491,7 +529,10 @@ TMA_MIN_T = 4096
 # docs/BENCHMARKS.md: TMA helps the dK/dV kernel (its loop streams Q and dO: -2% to -6% time at
 # T >= 4K unpadded, -10% at 25% padding) and not the dQ kernel; lookahead costs both 17-39% (one
 # more live score tile, and the loop's tiles loaded twice).
-BWD_LEVERS = {"tma_dq": False, "tma_dkdv": True, "lookahead": False}
+BWD_LEVERS = {"tma_dq": False, "tma_dkdv": True, "lookahead": False, "a_regs": False}
+# A_REGS (the loop-invariant A operand of the wgmmas through an opaque register move, so they read
+# it from registers and only the streamed tile from shared memory): forward at head dim 128 only.
+FWD_A_REGS_HEAD_DIMS = (128,)
 
 
 def use_tma(*tensors: torch.Tensor) -> bool:
@@ -502,17 +543,23 @@ def use_tma(*tensors: torch.Tensor) -> bool:
 
 
 def launch_forward(
-    q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, *, tma: bool, lookahead: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, *, tma: bool, lookahead: bool,
+    a_regs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Launch the forward kernel with the levers given (the op picks them; the benchmark forces
-    them to measure each): ``tma`` tensor-descriptor loads, ``lookahead`` next-tile scores."""
+    them to measure each): ``tma`` tensor-descriptor loads, ``lookahead`` next-tile scores,
+    ``a_regs`` q held in registers for the q k^T wgmma."""
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     if tma and not tma_ok(q, k, v):
         raise ValueError("tma: needs sm90+ and 16-byte aligned (b, h, t) strides and bases")
-    return _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, lookahead)
+    return _forward(
+        q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, lookahead, a_regs
+    )
 
 
-def _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, lookahead):
+def _forward(
+    q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, lookahead, a_regs=False
+):  # fmt: skip
     """``launch_forward`` on inputs already made unit-stride along D, with ``tma`` already
     checked: the op's path, which runs these checks once."""
     B, H, T, D = q.shape
@@ -542,17 +589,29 @@ def _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, 
         q,
         grid,
         args,
-        {**kwargs, **_common_args(D, q.dtype, log_bias, sigmoid)},
+        {**kwargs, **_common_args(D, q.dtype, log_bias, sigmoid, a_regs)},
     )
     max_bh = mx.amax(dim=1).view(B, H) if return_max else mx.new_empty(0)
     return out, max_bh
 
 
+def use_a_regs(q: torch.Tensor, tma: bool) -> bool:
+    """The forward's ``A_REGS`` choice: q read by the q k^T wgmma from registers, not shared
+    memory, with TMA loads at head dim 128 in 16-bit. H200, session 7 (docs/BENCHMARKS.md): the
+    op +1.4% / +2.2% / +2.3% forward TFLOPS at T = 4K / 8K / 16K, +1% to +3% with 25-50% padding;
+    with pointer loads (T < 4K) -4%; at head dim 64 (-6% to -13%) and in the backward kernels
+    (-2% to -17%) it lost."""
+    return tma and q.shape[-1] in FWD_A_REGS_HEAD_DIMS and q.dtype != torch.float32
+
+
 def forward_auto(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max):
-    """The forward with the op's lever choice (TMA from T = 4096 where possible, lookahead)."""
+    """The forward with the op's lever choice (TMA from T = 4096 where possible, lookahead, q in
+    registers with TMA at head dim 128)."""
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     tma = use_tma(q, k, v)
-    return _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, True)
+    return _forward(
+        q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, True, use_a_regs(q, tma)
+    )
 
 
 @torch.library.custom_op("stabilitylab::sigmoid_attention_fwd", mutates_args=())
@@ -584,18 +643,20 @@ def launch_backward(
     tma_dq: bool,
     tma_dkdv: bool,
     lookahead: bool,
+    a_regs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the dQ and the dK/dV kernels with the levers given: ``(dq, dk, dv)``."""
+    """Launch the dQ and the dK/dV kernels with the levers given: ``(dq, dk, dv)``; ``a_regs``
+    holds each kernel's loop-invariant tiles (q and dO; k and v) in registers for its wgmmas."""
     do, q, k, v = (last_dim_contiguous(t) for t in (do, q, k, v))
     if (tma_dq or tma_dkdv) and not tma_ok(q, k, v, do):
         raise ValueError("tma: needs sm90+ and 16-byte aligned (b, h, t) strides and bases")
     return _backward_launch(
-        do, q, k, v, lengths, scale, bias, log_bias, sigmoid, tma_dq, tma_dkdv, lookahead
+        do, q, k, v, lengths, scale, bias, log_bias, sigmoid, tma_dq, tma_dkdv, lookahead, a_regs
     )
 
 
 def _backward_launch(
-    do, q, k, v, lengths, scale, bias, log_bias, sigmoid, tma_dq, tma_dkdv, lookahead
+    do, q, k, v, lengths, scale, bias, log_bias, sigmoid, tma_dq, tma_dkdv, lookahead, a_regs=False
 ):  # fmt: skip
     """``launch_backward`` on checked inputs (the op's path). The dQ kernel is launched before
     dK and dV are even allocated: host time ahead of the first launch is GPU idle time."""
@@ -603,7 +664,7 @@ def _backward_launch(
     if (tma_dq or tma_dkdv) and not interpreting():
         triton.set_allocator(_device_allocator)
     dq = _empty_bthd_as_bhtd(q)
-    common = _common_args(D, q.dtype, log_bias, sigmoid)
+    common = _common_args(D, q.dtype, log_bias, sigmoid, a_regs)
     args = _kernel_args((q, k, v, do, dq), (), lengths, H, T, scale, bias)
     grid = lambda meta: (cdiv(T, meta["BLOCK_M"]), B * H)
     _launch(
@@ -635,6 +696,7 @@ def backward_auto(do, q, k, v, lengths, scale, bias, log_bias, sigmoid):
     return _backward_launch(
         do, q, k, v, lengths, scale, bias, log_bias, sigmoid,
         tma and BWD_LEVERS["tma_dq"], tma and BWD_LEVERS["tma_dkdv"], BWD_LEVERS["lookahead"],
+        BWD_LEVERS["a_regs"],
     )  # fmt: skip
 
 

@@ -2,9 +2,9 @@
 
     PYTHONPATH=. python3 kernels/sweep_configs.py --out results/bench/sweep   # ~1.5 min on 2 H200s
 
-For every kernel (forward, dQ, dK/dV), lever set (TMA x LOOKAHEAD) and candidate launch config
-(BLOCK_M, BLOCK_N, num_warps, num_stages) it compiles once (in parallel worker processes that
-share Triton's disk cache), checks the result against the first variant of that kernel that ran
+For every kernel (forward, dQ, dK/dV), lever set (TMA, LOOKAHEAD, A_REGS) and candidate launch
+config (BLOCK_M, BLOCK_N, num_warps, num_stages) it compiles once (in parallel worker processes
+that share Triton's disk cache), checks the result against the first variant of that kernel that ran
 (the plain kernel at the first config for dQ and dK/dV; TMA + lookahead for the forward; a
 miscompiled variant is flagged, not timed as a win), and times it with ``do_bench`` (median ms) at
 bf16, 16,384 tokens per batch, hidden 2048, as ``kernels/bench_attention.py``. Head dim 64 runs on
@@ -38,12 +38,26 @@ CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 }  # fmt: skip
 # Matrix products a kernel executes per score, in units of the forward's two: q k^T and P V.
 EXECUTED = {"fwd": 1.0, "dq": 1.5, "dkdv": 2.0}
-LEVERS = [(False, False), (False, True), (True, False), (True, True)]  # (TMA, LOOKAHEAD)
+LEVER_NAMES = ("tma", "lookahead", "a_regs")  # the kernels' lever constexprs, in digit order
+LEVERS = [(False, False, False), (False, True, False), (True, False, False), (True, True, False)]
+# The forward's TMA and lookahead were swept before (docs/BENCHMARKS.md): both on; A_REGS off/on.
+FWD_LEVERS = [(True, True, False), (True, True, True)]
 
 
-def combos(head_dims, kinds, levers=LEVERS, candidates=CANDIDATES, fwd_levers=((True, True),)):
+def parse_levers(specs: list[str]) -> list[tuple[bool, ...]]:
+    """``"10"`` = TMA without lookahead: up to three digits, ``LEVER_NAMES`` order, missing = 0."""
+    out = []
+    for x in specs:
+        if not (1 <= len(x) <= len(LEVER_NAMES)) or set(x) - {"0", "1"}:
+            raise SystemExit(f"lever set {x!r}: want up to {len(LEVER_NAMES)} digits 0/1")
+        out.append(tuple(c == "1" for c in x.ljust(len(LEVER_NAMES), "0")))
+    return out
+
+
+def combos(
+    head_dims, kinds, levers=LEVERS, candidates=CANDIDATES, fwd_levers=FWD_LEVERS
+):  # fmt: skip
     for D, kind in itertools.product(head_dims, kinds):
-        # The forward's levers were swept before (docs/BENCHMARKS.md): TMA + lookahead by default.
         for lev in fwd_levers if kind == "fwd" else levers:
             for cfg in candidates[kind]:
                 yield D, kind, lev, cfg
@@ -76,13 +90,14 @@ def runner(kind, D, lev, cfg, tensors):
     q, k, v, do, lengths = tensors
     B, H, T, _ = q.shape
     bm, bn, warps, stages = cfg
-    tma, la = lev
+    tma, la, a_regs = lev
     interp = os.environ.get("TRITON_INTERPRET") == "1"  # a CPU smoke test of this script
     if tma and not interp:
         triton.set_allocator(sa._device_allocator)
     common = dict(
-        HEAD_DIM=D, LOG_BIAS=True, SIGMOID=0 if interp else sa.TANH_F32, DOT_PRECISION="tf32", TMA=tma,
-        LOOKAHEAD=la, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+        HEAD_DIM=D, LOG_BIAS=True, SIGMOID=sa.EXACT if interp else sa.TANH_F32,
+        DOT_PRECISION="tf32", TMA=tma, LOOKAHEAD=la, A_REGS=a_regs and not interp, BLOCK_M=bm,
+        BLOCK_N=bn, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     scale = 1 / math.sqrt(D)
     if kind == "fwd":
@@ -150,8 +165,8 @@ def time_all(D, seq_lens, pads, gpu, out_csv, kinds, levers, candidates, repeat,
         fns = []
         for kind in kinds:
             for _, _, lev, cfg in combos([D], [kind], levers, candidates, fwd_levers):
-                row = dict(D=D, T=T, pad=pad, kernel=kind, tma=lev[0], lookahead=lev[1],
-                           config="x".join(map(str, cfg)), ms=float("nan"), err="")  # fmt: skip
+                row = dict(D=D, T=T, pad=pad, kernel=kind, config="x".join(map(str, cfg)),
+                           ms=float("nan"), err="", **dict(zip(LEVER_NAMES, lev, strict=True)))  # fmt: skip
                 try:
                     fn, outs = runner(kind, D, lev, cfg, tensors)
                     fn()
@@ -199,27 +214,29 @@ def summarise(df: pd.DataFrame) -> str:
         lines.append(f"\nD={D} T={T} pad={pad}: cuDNN fwd {cud.cudnn_fwd_tflops:.0f} "
                      f"bwd {cud.cudnn_bwd_tflops:.0f} TFLOPS")  # fmt: skip
         best = {}
-        for (kind, tma, la), h in g[g.kernel != "cudnn"].groupby(["kernel", "tma", "lookahead"]):
+        names = [n for n in LEVER_NAMES if n in g.columns]
+        for (kind, *lev), h in g[g.kernel != "cudnn"].groupby(["kernel", *names]):
+            lev = tuple(bool(x) for x in lev)
+            tag = " ".join(f"{n}={x:d}" for n, x in zip(names, lev, strict=True))
             ok = h.dropna(subset=["ms"])
             bad = ", ".join(f"{c}:{e}" for c, e in zip(h.config, h.err, strict=True) if e)
             if ok.empty:
-                lines.append(f"  {kind:5s} tma={tma:d} la={la:d}  none ran ({bad})")
+                lines.append(f"  {kind:5s} {tag}  none ran ({bad})")
                 continue
             b = ok.loc[ok.ms.idxmin()]
-            best[(kind, tma, la)] = b.ms
+            best[(kind, lev)] = (b.ms, tag)
             tf = b.flops / b.ms * 1e-9
-            lines.append(f"  {kind:5s} tma={tma:d} la={la:d}  best {b.config:12s} {b.ms:.3f} ms "
+            lines.append(f"  {kind:5s} {tag}  best {b.config:12s} {b.ms:.3f} ms "
                          f"({tf:.0f} TFLOPS executed){'  fails: ' + bad if bad else ''}")  # fmt: skip
-        for tma, la in LEVERS:
-            if ("dq", tma, la) in best and ("dkdv", tma, la) in best:
-                ms = best[("dq", tma, la)] + best[("dkdv", tma, la)]
-                lines.append(f"  bwd tma={tma:d} la={la:d}: {flops / ms * 1e-9:.0f} TFLOPS")
+        for (kind, lev), (ms_dq, tag) in best.items():
+            if kind == "dq" and ("dkdv", lev) in best:
+                ms = ms_dq + best[("dkdv", lev)][0]
+                lines.append(f"  bwd {tag}: {flops / ms * 1e-9:.0f} TFLOPS")
         for kd in ("dq", "dkdv"):
             if not any(k[0] == kd for k in best):
                 continue
-            mixed = min((v, k) for k, v in best.items() if k[0] == kd)
-            tma, la = (int(x) for x in mixed[1][1:])
-            lines.append(f"  best {kd}: tma={tma} la={la} {mixed[0]:.3f} ms")
+            ms, tag = min(v for k, v in best.items() if k[0] == kd)
+            lines.append(f"  best {kd}: {tag} {ms:.3f} ms")
     return "\n".join(lines)
 
 
@@ -233,9 +250,10 @@ def main(argv=None) -> None:
         "--levers",
         nargs="+",
         default=["00", "01", "10", "11"],
-        help="TMA and LOOKAHEAD as two digits, e.g. 10 = TMA without lookahead",
+        help="TMA, LOOKAHEAD, A_REGS as up to three digits (missing = 0), e.g. 10 = TMA without"
+        " lookahead, 111 = TMA + lookahead + the A operand in registers",
     )
-    p.add_argument("--fwd-levers", nargs="+", default=["11"], help="the same, for the forward")
+    p.add_argument("--fwd-levers", nargs="+", default=["110", "111"], help="the same, forward")
     p.add_argument("--configs", nargs="*", default=[], help="KIND=BMxBNxWxS,... per kind")
     p.add_argument("--repeat", type=int, default=1, help="interleaved timing rounds (median)")
     p.add_argument("--workers", type=int, default=12)
@@ -245,8 +263,7 @@ def main(argv=None) -> None:
         sys.exit("sweep_configs: needs a CUDA GPU")
     os.makedirs(a.out, exist_ok=True)
     n_gpu = torch.cuda.device_count()
-    levers = [(x[0] == "1", x[1] == "1") for x in a.levers]
-    fwd_levers = [(x[0] == "1", x[1] == "1") for x in a.fwd_levers]
+    levers, fwd_levers = parse_levers(a.levers), parse_levers(a.fwd_levers)
     candidates = parse_configs(a.configs)
     jobs = list(combos(a.head_dims, a.kinds, levers, candidates, fwd_levers))
     ctx = mp.get_context("spawn")

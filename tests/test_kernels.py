@@ -13,6 +13,7 @@ kernels must never read them. Inputs are drawn fresh per test; the seed is print
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import pytest
@@ -288,15 +289,18 @@ def _lever_cases(device, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
 @pytest.mark.parametrize("lookahead", [False, True], ids=["plain", "lookahead"])
-def test_forward_levers_match_reference(device, dtype, tma, lookahead):
+@pytest.mark.parametrize("a_regs", [False, True], ids=["smem", "aregs"])
+def test_forward_levers_match_reference(device, dtype, tma, lookahead, a_regs):
     """Each forward lever alone and together (the op takes lookahead, plus TMA from T = 4096 where
-    aligned), with the fused max|logit|: same criterion, odd lengths, length 1 and all-but-one padding, gapped
-    views with NaN padding."""
+    aligned, plus q in registers at head dim 128), with the fused max|logit|: same criterion, odd
+    lengths, length 1 and all-but-one padding, gapped views with NaN padding."""
     from stabilitylab.kernels.sigmoid_attention import launch_forward
 
+    if a_regs and device == "cpu":
+        pytest.skip("A_REGS is an inline PTX move: the interpreter runs without it")
     for D, T, lengths, (q, k, v), (qn, kn, vn), lengths_B, mode, _ in _lever_cases(device, dtype):
         args = (lengths_B, 1 / math.sqrt(D), 0.0, True, mode, True)
-        out, max_BH = launch_forward(qn, kn, vn, *args, tma=tma, lookahead=lookahead)
+        out, max_BH = launch_forward(qn, kn, vn, *args, tma=tma, lookahead=lookahead, a_regs=a_regs)
         ref64 = sigmoid_attention_reference(q.double(), k.double(), v.double(), lengths_B)
         ref_t = sigmoid_attention_reference(q, k, v, lengths_B)
         where = (D, T, lengths)
@@ -310,19 +314,22 @@ def test_forward_levers_match_reference(device, dtype, tma, lookahead):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
 @pytest.mark.parametrize("lookahead", [False, True], ids=["plain", "lookahead"])
-def test_backward_levers_match_reference(device, dtype, tma, lookahead):
+@pytest.mark.parametrize("a_regs", [False, True], ids=["smem", "aregs"])
+def test_backward_levers_match_reference(device, dtype, tma, lookahead, a_regs):
     """Each backward lever set (the dQ and dK/dV kernels with pointer or TMA loads, with or
     without next-tile scores): gradients within 3x torch's error at the dtype, NaN padding never
     read, padded rows zero; odd lengths, length 1 and all-but-one padding, both head dims."""
     from stabilitylab.kernels.sigmoid_attention import launch_backward
 
+    if a_regs and device == "cpu":
+        pytest.skip("A_REGS is an inline PTX move: the interpreter runs without it")
     for D, T, lengths, (q, k, v), (qn, kn, vn), lengths_B, mode, gen in _lever_cases(device, dtype):
         valid = key_mask_BT(lengths_B, T)[:, None, :, None]
         g = torch.randn(q.shape, generator=gen, device=device).to(dtype) * valid
         g_nan = g.masked_fill(~valid, float("nan"))
         args = (lengths_B, 1 / math.sqrt(D), 0.0, True, mode)
         grads = launch_backward(
-            g_nan, qn, kn, vn, *args, tma_dq=tma, tma_dkdv=tma, lookahead=lookahead
+            g_nan, qn, kn, vn, *args, tma_dq=tma, tma_dkdv=tma, lookahead=lookahead, a_regs=a_regs
         )
         _, grads64 = _ref_grads(q.double(), k.double(), v.double(), lengths_B, g)
         _, grads_t = _ref_grads(q, k, v, lengths_B, g)
@@ -332,6 +339,23 @@ def test_backward_levers_match_reference(device, dtype, tma, lookahead):
             assert _err(a, r) <= 3 * _err(t_, r) + ATOL[dtype], where
             for b, L in enumerate(lengths):
                 assert (a[b, :, L:] == 0).all(), where
+
+
+def test_a_regs_choice_follows_the_measurements():
+    """The op holds q in registers only where the H200 measured a gain (TMA loads, head dim 128,
+    16-bit), and never under the interpreter, which cannot run the PTX move."""
+    from stabilitylab.kernels.sigmoid_attention import _common_args, use_a_regs
+
+    def q(D, dtype):
+        return torch.empty(1, 1, 8, D, dtype=dtype)
+
+    assert use_a_regs(q(128, torch.bfloat16), tma=True)
+    assert use_a_regs(q(128, torch.float16), tma=True)
+    assert not use_a_regs(q(128, torch.bfloat16), tma=False)
+    assert not use_a_regs(q(64, torch.bfloat16), tma=True)
+    assert not use_a_regs(q(128, torch.float32), tma=True)
+    args = _common_args(128, torch.bfloat16, True, 1, True)
+    assert args["A_REGS"] is (os.environ.get("TRITON_INTERPRET") != "1")
 
 
 def test_custom_op_path_equals_the_eager_function(device):
