@@ -598,7 +598,7 @@ def _forward(
 def use_a_regs(q: torch.Tensor, tma: bool) -> bool:
     """The forward's ``A_REGS`` choice: q read by the q k^T wgmma from registers, not shared
     memory, with TMA loads at head dim 128 in 16-bit. H200, session 7 (docs/BENCHMARKS.md): the
-    op +1.4% / +2.2% / +2.3% forward TFLOPS at T = 4K / 8K / 16K, +1% to +3% with 25-50% padding;
+    op +1.4% / +2.3% / +2.2% forward TFLOPS at T = 4K / 8K / 16K, +1% to +3% with 25-50% padding;
     with pointer loads (T < 4K) -4%; at head dim 64 (-6% to -13%) and in the backward kernels
     (-2% to -17%) it lost."""
     return tma and q.shape[-1] in FWD_A_REGS_HEAD_DIMS and q.dtype != torch.float32
