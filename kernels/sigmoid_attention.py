@@ -29,8 +29,8 @@ so the special-function unit overlaps the tensor cores (one extra q k^T per quer
 matters on an H200, per score: the two products cost 4 D flops (~990 TFLOPS dense bf16), the
 sigmoid one MUFU op (~3.9 T/s): at D = 64 the two take about as long, at D = 128 the MUFU half as
 long; run back to back they cap the forward near 500 and 650 TFLOPS. The backward kernels take
-the same two constexprs (``BWD_LEVERS`` holds the op's choice: TMA in the dK/dV kernel only,
-from T = 4096; lookahead off, it cost 17-39% there) and issue dP before the sigmoid. ``A_REGS``
+the same two constexprs (``BWD_LEVERS`` holds the op's choice: TMA in both kernels from
+T = 4096; lookahead off, it cost 17-39% there) and issue dP before the sigmoid. ``A_REGS``
 passes the loop-invariant tiles (the forward's q; dQ's q and dO; dK/dV's k and v) through an
 opaque register move, so the wgmmas take them from registers and read only the streamed tile
 from shared memory: the forward uses it with TMA at head dim 128 (``use_a_regs``). Why it may
@@ -527,9 +527,11 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
 TMA_MIN_T = 4096
 # The backward's levers (the same constexprs as the forward's), from the sweeps in
 # docs/BENCHMARKS.md: TMA helps the dK/dV kernel (its loop streams Q and dO: -2% to -6% time at
-# T >= 4K unpadded, -10% at 25% padding) and not the dQ kernel; lookahead costs both 17-39% (one
-# more live score tile, and the loop's tiles loaded twice).
-BWD_LEVERS = {"tma_dq": False, "tma_dkdv": True, "lookahead": False, "a_regs": False}
+# T >= 4K unpadded, -10% at 25% padding), and the dQ kernel at head dim 128 (session 7: the op's
+# backward +1.3% to +2.9%; at head dim 64 within +-0.7%, though offline its loop shrinks from 433
+# to 256 instructions per warp and tile); lookahead costs both 17-39% (one more live score tile,
+# and the loop's tiles loaded twice).
+BWD_LEVERS = {"tma_dq": True, "tma_dkdv": True, "lookahead": False, "a_regs": False}
 # A_REGS (the loop-invariant A operand of the wgmmas through an opaque register move, so they read
 # it from registers and only the streamed tile from shared memory): forward at head dim 128 only.
 FWD_A_REGS_HEAD_DIMS = (128,)
