@@ -54,6 +54,11 @@ def parse_levers(specs: list[str]) -> list[tuple[bool, ...]]:
     return out
 
 
+def lever_digits(lev: tuple[bool, ...]) -> str:
+    """The command-line spelling of a lever set, ``parse_levers``' inverse."""
+    return "".join("1" if x else "0" for x in lev)
+
+
 def combos(
     head_dims, kinds, levers=LEVERS, candidates=CANDIDATES, fwd_levers=FWD_LEVERS
 ):  # fmt: skip
@@ -249,11 +254,14 @@ def main(argv=None) -> None:
     p.add_argument(
         "--levers",
         nargs="+",
-        default=["00", "01", "10", "11"],
+        default=[lever_digits(lev) for lev in LEVERS],
         help="TMA, LOOKAHEAD, A_REGS as up to three digits (missing = 0), e.g. 10 = TMA without"
         " lookahead, 111 = TMA + lookahead + the A operand in registers",
     )
-    p.add_argument("--fwd-levers", nargs="+", default=["110", "111"], help="the same, forward")
+    p.add_argument(
+        "--fwd-levers", nargs="+", default=[lever_digits(lev) for lev in FWD_LEVERS],
+        help="the same, forward",
+    )  # fmt: skip
     p.add_argument("--configs", nargs="*", default=[], help="KIND=BMxBNxWxS,... per kind")
     p.add_argument("--repeat", type=int, default=1, help="interleaved timing rounds (median)")
     p.add_argument("--workers", type=int, default=12)
