@@ -43,15 +43,16 @@ TOKENS, HIDDEN = 16_384, 2048
 PROVIDERS = [
     "sigmoid-triton", "sigmoid-triton-exact", "sigmoid-triton-plain", "sigmoid-triton-tma",
     "sigmoid-triton-lookahead", "sigmoid-triton-tma-lookahead", "sigmoid-triton-tma-lookahead-aregs",
-    "cudnn", "flash", "flex", "eager-sigmoid",
+    "sigmoid-triton-tma-lookahead-aregs-q4", "cudnn", "flash", "flex", "eager-sigmoid",
 ]  # fmt: skip
-# Forward levers forced (tma, lookahead, a_regs): forward-only rows.
+# Forward levers forced (tma, lookahead, a_regs, query tiles per program): forward-only rows.
 LEVER_PROVIDERS = {
-    "sigmoid-triton-plain": (False, False, False),
-    "sigmoid-triton-tma": (True, False, False),
-    "sigmoid-triton-lookahead": (False, True, False),
-    "sigmoid-triton-tma-lookahead": (True, True, False),
-    "sigmoid-triton-tma-lookahead-aregs": (True, True, True),
+    "sigmoid-triton-plain": (False, False, False, 1),
+    "sigmoid-triton-tma": (True, False, False, 1),
+    "sigmoid-triton-lookahead": (False, True, False, 1),
+    "sigmoid-triton-tma-lookahead": (True, True, False, 1),
+    "sigmoid-triton-tma-lookahead-aregs": (True, True, True, 1),
+    "sigmoid-triton-tma-lookahead-aregs-q4": (True, True, True, 4),
 }
 
 
@@ -80,10 +81,10 @@ def provider_fn(name: str, q, k, v, lengths_B) -> Callable[[], torch.Tensor] | N
     if name == "sigmoid-triton-exact":
         return lambda: sigmoid_attention(q, k, v, lengths_B, exact=True)[0]
     if name in LEVER_PROVIDERS:
-        tma, lookahead, a_regs = LEVER_PROVIDERS[name]
+        tma, lookahead, a_regs, q_tiles = LEVER_PROVIDERS[name]
         args = (lengths_B, 1 / math.sqrt(D), 0.0, True, TANH_F32, False)
         qd, kd, vd = (t.detach() for t in (q, k, v))
-        levers = dict(tma=tma, lookahead=lookahead, a_regs=a_regs)
+        levers = dict(tma=tma, lookahead=lookahead, a_regs=a_regs, q_tiles=q_tiles)
         return lambda: launch_forward(qd, kd, vd, *args, **levers)[0]
     if name == "cudnn":
         mask = valid_BT[:, None, None, :] if padded else None

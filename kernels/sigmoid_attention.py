@@ -37,6 +37,10 @@ from shared memory: the forward uses it with TMA at head dim 128 (``use_a_regs``
 help there (an estimate, not measured): a 64 x 64 x 16 wgmma with both operands in shared memory
 reads 4 KB in the ~32 cycles the tensor cores need for it, about all the 128 B per cycle an SM's
 shared memory delivers, while the TMA refills it too. The backward does not use it (it lost).
+``Q_TILES`` gives a forward program that many consecutive query tiles of one (b, h), so that it
+builds its tensor descriptors once (clock probes: ~5,000 of a program's ~8,800 cycles before its
+key loop, hd 128, T = 4K); the op keeps one tile per program (``FWD_Q_TILES``: four saved 3.8% of
+the cycles per tile, but not measurably the op's time, session 8 in docs/BENCHMARKS.md).
 
 Sigmoid modes (constexpr ``SIGMOID``): 0 exact ``1/(1+exp(-x))``; 1 ``0.5 tanh(x/2) + 0.5`` with
 ``tanh.approx.f32`` (one MUFU op, the default for 16-bit inputs). Inline PTX cannot run in the
@@ -82,21 +86,24 @@ def _sigmoid_fwd_kernel(
     H, T, T_BUCKET, mx_stride, scale, bias,
     HEAD_DIM: tl.constexpr, LOG_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
     RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-    LOOKAHEAD: tl.constexpr, A_REGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOOKAHEAD: tl.constexpr, A_REGS: tl.constexpr, Q_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
+    # A program takes Q_TILES consecutive query tiles of one (b, h), one after the other: its
+    # descriptors are built once for all of them (docs/BENCHMARKS.md, session 8).
+    pid_g = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     L = tl.load(LENS + b).to(tl.int32)
-    start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     b64 = b.to(tl.int64)
     q_base = Q + b64 * sqb + h * sqh
     k_base = K + b64 * skb + h * skh
     v_base = V + b64 * svb + h * svh
+    o_base = Out + b64 * sob + h * soh
+    mx_base = MX + pid_bh.to(tl.int64) * mx_stride
     bias_b = -tl.log(L.to(tl.float32)) if LOG_BIAS else bias
     # Modes 1/2 evaluate tanh(x/2): fold the 1/2 into the per-score multiply-add.
     if SIGMOID == 0:
@@ -105,80 +112,97 @@ def _sigmoid_fwd_kernel(
     else:
         a_s = 0.5 * scale
         c_s = 0.5 * bias_b
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    mx = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    # A query tile wholly in padding does no work at all: no descriptors, no loads, no scores.
-    if start_m < L:
-        # TMA: one descriptor per (b, h) over the L_b valid rows; the hardware zero-fills the rest.
-        if TMA:
-            q_desc = tl.make_tensor_descriptor(
-                q_base, shape=[L, HEAD_DIM], strides=[sqt, 1], block_shape=[BLOCK_M, HEAD_DIM]
-            )
-            k_desc = tl.make_tensor_descriptor(
-                k_base, shape=[L, HEAD_DIM], strides=[skt, 1], block_shape=[BLOCK_N, HEAD_DIM]
-            )
-            v_desc = tl.make_tensor_descriptor(
-                v_base, shape=[L, HEAD_DIM], strides=[svt, 1], block_shape=[BLOCK_N, HEAD_DIM]
-            )
-            q = q_desc.load([start_m, 0])
-        else:
-            q = tl.load(
-                q_base + offs_m[:, None] * sqt + offs_d[None, :],
-                mask=offs_m[:, None] < L,
-                other=0.0,
-            )
-        if A_REGS:  # q through an opaque move: the q k^T wgmma reads q from registers
-            q = tl.inline_asm_elementwise(
-                "mov.b32 $0, $1;", "=r,r", [q], dtype=q.dtype, is_pure=True,
-                pack=32 // q.dtype.primitive_bitwidth,
-            )  # fmt: skip
-        qk = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if LOOKAHEAD:  # scores of the first key tile, ahead of the loop
-            if TMA:
-                k0 = k_desc.load([0, 0])
-            else:
-                k0 = tl.load(k_base + offs_n[:, None] * skt + offs_d[None, :],
-                             mask=offs_n[:, None] < L, other=0.0)  # fmt: skip
-            qk = tl.dot(q, tl.trans(k0), input_precision=DOT_PRECISION)
-        for start_n in range(0, L, BLOCK_N):
-            # LOOKAHEAD: load key tile j+1 and issue its scores (an asynchronous wgmma on Hopper)
-            # before the sigmoid of tile j, so the MUFU works while the tensor cores do. The tile
-            # past the last valid key is all zeros; its scores are discarded.
-            n_k = start_n + BLOCK_N if LOOKAHEAD else start_n
-            if TMA:
-                k = k_desc.load([n_k, 0])
-                v = v_desc.load([start_n, 0])
-            else:
-                rows_k = n_k + offs_n
-                rows_v = start_n + offs_n
-                k = tl.load(k_base + rows_k[:, None] * skt + offs_d[None, :],
-                            mask=rows_k[:, None] < L, other=0.0)  # fmt: skip
-                v = tl.load(v_base + rows_v[:, None] * svt + offs_d[None, :],
-                            mask=rows_v[:, None] < L, other=0.0)  # fmt: skip
-            if LOOKAHEAD:
-                qk_now = qk
-                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            else:
-                qk_now = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            if RETURN_MAX:
-                mx = tl.maximum(mx, tl.max(tl.abs(qk_now), axis=1))
-            x = qk_now * a_s + c_s
-            if SIGMOID == 0:
-                p = (1.0 / (1.0 + tl.exp(-x))).to(v.dtype)
-            else:
-                t = tl.inline_asm_elementwise(
-                    "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+    # TMA: one descriptor per (b, h) over the L_b valid rows; the hardware zero-fills the rest.
+    # With one tile per program they are built only when the tile has work; with several, once
+    # (before the tiles' loop; a program whose tiles are all padding builds them for nothing).
+    if TMA and Q_TILES > 1:
+        q_desc = tl.make_tensor_descriptor(
+            q_base, shape=[L, HEAD_DIM], strides=[sqt, 1], block_shape=[BLOCK_M, HEAD_DIM]
+        )
+        k_desc = tl.make_tensor_descriptor(
+            k_base, shape=[L, HEAD_DIM], strides=[skt, 1], block_shape=[BLOCK_N, HEAD_DIM]
+        )
+        v_desc = tl.make_tensor_descriptor(
+            v_base, shape=[L, HEAD_DIM], strides=[svt, 1], block_shape=[BLOCK_N, HEAD_DIM]
+        )
+    # One tile: no loop at all, and the store outside the work branch, so it compiles as before
+    # (offline, sm_90: the same registers and key loop for every production config; with the
+    # store inside the branch the head-dim-64 TMA kernel took 19 more registers and 29 more
+    # instructions per key tile).
+    for g in (tl.static_range if Q_TILES == 1 else tl.range)(0, Q_TILES):
+        tile = pid_g * Q_TILES + g
+        start_m = tile * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+        mx = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        # A query tile wholly in padding does no work: no loads, no scores.
+        if start_m < L:
+            if TMA and Q_TILES == 1:
+                q_desc = tl.make_tensor_descriptor(
+                    q_base, shape=[L, HEAD_DIM], strides=[sqt, 1], block_shape=[BLOCK_M, HEAD_DIM]
                 )
-                p = (0.5 * t + 0.5).to(v.dtype)
-            acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
-    # Padded query rows saw q = 0, so acc holds sigmoid(b) * sum(v) there: zero them on the way out.
-    acc = tl.where(offs_m[:, None] < L, acc, 0.0)
-    tl.store(
-        Out + b64 * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :],
-        acc.to(Out.dtype.element_ty), mask=offs_m[:, None] < T,
-    )  # fmt: skip
-    if RETURN_MAX:
-        tl.store(MX + pid_bh.to(tl.int64) * mx_stride + pid_m, tl.max(mx, axis=0) * scale)
+                k_desc = tl.make_tensor_descriptor(
+                    k_base, shape=[L, HEAD_DIM], strides=[skt, 1], block_shape=[BLOCK_N, HEAD_DIM]
+                )
+                v_desc = tl.make_tensor_descriptor(
+                    v_base, shape=[L, HEAD_DIM], strides=[svt, 1], block_shape=[BLOCK_N, HEAD_DIM]
+                )
+            if TMA:
+                q = q_desc.load([start_m, 0])
+            else:
+                q = tl.load(q_base + offs_m[:, None] * sqt + offs_d[None, :],
+                            mask=offs_m[:, None] < L, other=0.0)  # fmt: skip
+            if A_REGS:  # q through an opaque move: the q k^T wgmma reads q from registers
+                q = tl.inline_asm_elementwise(
+                    "mov.b32 $0, $1;", "=r,r", [q], dtype=q.dtype, is_pure=True,
+                    pack=32 // q.dtype.primitive_bitwidth,
+                )  # fmt: skip
+            qk = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if LOOKAHEAD:  # scores of the first key tile, ahead of the loop
+                if TMA:
+                    k0 = k_desc.load([0, 0])
+                else:
+                    k0 = tl.load(k_base + offs_n[:, None] * skt + offs_d[None, :],
+                                 mask=offs_n[:, None] < L, other=0.0)  # fmt: skip
+                qk = tl.dot(q, tl.trans(k0), input_precision=DOT_PRECISION)
+            for start_n in range(0, L, BLOCK_N):
+                # LOOKAHEAD: load key tile j+1 and issue its scores (an asynchronous wgmma on
+                # Hopper) before the sigmoid of tile j, so the MUFU works while the tensor cores
+                # do. The tile past the last valid key is all zeros; its scores are discarded.
+                n_k = start_n + BLOCK_N if LOOKAHEAD else start_n
+                if TMA:
+                    k = k_desc.load([n_k, 0])
+                    v = v_desc.load([start_n, 0])
+                else:
+                    rows_k = n_k + offs_n
+                    rows_v = start_n + offs_n
+                    k = tl.load(k_base + rows_k[:, None] * skt + offs_d[None, :],
+                                mask=rows_k[:, None] < L, other=0.0)  # fmt: skip
+                    v = tl.load(v_base + rows_v[:, None] * svt + offs_d[None, :],
+                                mask=rows_v[:, None] < L, other=0.0)  # fmt: skip
+                if LOOKAHEAD:
+                    qk_now = qk
+                    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                else:
+                    qk_now = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                if RETURN_MAX:
+                    mx = tl.maximum(mx, tl.max(tl.abs(qk_now), axis=1))
+                x = qk_now * a_s + c_s
+                if SIGMOID == 0:
+                    p = (1.0 / (1.0 + tl.exp(-x))).to(v.dtype)
+                else:
+                    t = tl.inline_asm_elementwise(
+                        "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                        pack=1,
+                    )  # fmt: skip
+                    p = (0.5 * t + 0.5).to(v.dtype)
+                acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+        # Padded query rows saw q = 0, so acc holds sigmoid(b) * sum(v) there: zero them.
+        acc = tl.where(offs_m[:, None] < L, acc, 0.0)
+        tl.store(o_base + offs_m[:, None] * sot + offs_d[None, :],
+                 acc.to(Out.dtype.element_ty), mask=offs_m[:, None] < T)  # fmt: skip
+        if RETURN_MAX:  # the last program's tiles may run past the buffer's columns
+            tl.store(mx_base + tile, tl.max(mx, axis=0) * scale, mask=tile < mx_stride)
 
 
 @triton.jit
@@ -452,13 +476,13 @@ def _launch(kernel, kind: str, q: torch.Tensor, grid, args: tuple, kwargs: dict)
     cap, fp32 = capability(q.device), q.dtype == torch.float32
     tuned = _TUNED.get((kernel, cap, fp32))
     if tuned is None:
-        levers = ["TMA", "LOOKAHEAD", "SIGMOID", "A_REGS"]
+        levers = ["TMA", "LOOKAHEAD", "SIGMOID", "A_REGS", *(["Q_TILES"] if kind == "fwd" else [])]
         tuned = _TUNED[(kernel, cap, fp32)] = Tuned(
             kernel, _configs(kind, cap, fp32), ["T_BUCKET", "HEAD_DIM", *levers]
         )
     key = (
         seq_bucket(q.shape[2]), kwargs["HEAD_DIM"], kwargs["TMA"], kwargs["LOOKAHEAD"],
-        kwargs["SIGMOID"], kwargs["A_REGS"], q.dtype,
+        kwargs["SIGMOID"], kwargs["A_REGS"], kwargs.get("Q_TILES", 1), q.dtype,
     )  # fmt: skip
     tuned.launch(grid, key, *args, **kwargs)
 
@@ -535,6 +559,12 @@ BWD_LEVERS = {"tma_dq": True, "tma_dkdv": True, "lookahead": False, "a_regs": Fa
 # A_REGS (the loop-invariant A operand of the wgmmas through an opaque register move, so they read
 # it from registers and only the streamed tile from shared memory): forward at head dim 128 only.
 FWD_A_REGS_HEAD_DIMS = (128,)
+# Query tiles per forward program in the op: one. Four (the lever ``Q_TILES``: a program builds
+# its three tensor descriptors once for all its tiles) cut the cycles per tile by 3.8% at head dim
+# 128, T = 4K, in clock probes, but the op's forward time did not follow (median of per-round
+# gains +2.3% / +0.9% / +0.3% at 4K / 8K / 16K in one call, -1.1% / -2.4% / +1.1% in another;
+# the SM clock read 1.58 vs 1.65 GHz in the probed runs): docs/BENCHMARKS.md, session 8.
+FWD_Q_TILES = 1
 
 
 def use_tma(*tensors: torch.Tensor) -> bool:
@@ -546,21 +576,25 @@ def use_tma(*tensors: torch.Tensor) -> bool:
 
 def launch_forward(
     q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, *, tma: bool, lookahead: bool,
-    a_regs: bool = False,
+    a_regs: bool = False, q_tiles: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Launch the forward kernel with the levers given (the op picks them; the benchmark forces
     them to measure each): ``tma`` tensor-descriptor loads, ``lookahead`` next-tile scores,
-    ``a_regs`` q held in registers for the q k^T wgmma."""
+    ``a_regs`` q held in registers for the q k^T wgmma, ``q_tiles`` query tiles per program."""
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     if tma and not tma_ok(q, k, v):
         raise ValueError("tma: needs sm90+ and 16-byte aligned (b, h, t) strides and bases")
+    if not (isinstance(q_tiles, int) and 1 <= q_tiles <= 16):
+        raise ValueError(f"q_tiles: want an int in [1, 16], got {q_tiles!r}")
     return _forward(
-        q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, lookahead, a_regs
-    )
+        q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, lookahead, a_regs,
+        q_tiles,
+    )  # fmt: skip
 
 
 def _forward(
-    q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, lookahead, a_regs=False
+    q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, lookahead, a_regs=False,
+    q_tiles=1,
 ):  # fmt: skip
     """``launch_forward`` on inputs already made unit-stride along D, with ``tma`` already
     checked: the op's path, which runs these checks once."""
@@ -582,9 +616,9 @@ def _forward(
         if return_max
         else _unused_f32(q.device)
     )
-    grid = lambda meta: (cdiv(T, meta["BLOCK_M"]), B * H)
+    grid = lambda meta: (cdiv(cdiv(T, meta["BLOCK_M"]), q_tiles), B * H)
     args = _kernel_args((q, k, v, out), (mx,), lengths, H, T, n_mx, scale, bias)
-    kwargs = dict(RETURN_MAX=return_max, TMA=tma, LOOKAHEAD=lookahead)
+    kwargs = dict(RETURN_MAX=return_max, TMA=tma, LOOKAHEAD=lookahead, Q_TILES=q_tiles)
     _launch(
         _sigmoid_fwd_kernel,
         "fwd",
@@ -608,12 +642,13 @@ def use_a_regs(q: torch.Tensor, tma: bool) -> bool:
 
 def forward_auto(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max):
     """The forward with the op's lever choice (TMA from T = 4096 where possible, lookahead, q in
-    registers with TMA at head dim 128)."""
+    registers with TMA at head dim 128, ``FWD_Q_TILES`` query tiles per program)."""
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     tma = use_tma(q, k, v)
     return _forward(
-        q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, True, use_a_regs(q, tma)
-    )
+        q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, True,
+        use_a_regs(q, tma), FWD_Q_TILES,
+    )  # fmt: skip
 
 
 @torch.library.custom_op("stabilitylab::sigmoid_attention_fwd", mutates_args=())

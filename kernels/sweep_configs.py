@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 kernels/sweep_configs.py --out results/bench/sweep   # ~1.5 min on 2 H200s
 
-For every kernel (forward, dQ, dK/dV), lever set (TMA, LOOKAHEAD, A_REGS) and candidate launch
+For every kernel (forward, dQ, dK/dV), lever set (TMA, LOOKAHEAD, A_REGS; the forward's Q_TILES too) and candidate launch
 config (BLOCK_M, BLOCK_N, num_warps, num_stages) it compiles once (in parallel worker processes
 that share Triton's disk cache), checks the result against the first variant of that kernel that ran
 (the plain kernel at the first config for dQ and dK/dV; TMA + lookahead for the forward; a
@@ -38,25 +38,38 @@ CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 }  # fmt: skip
 # Matrix products a kernel executes per score, in units of the forward's two: q k^T and P V.
 EXECUTED = {"fwd": 1.0, "dq": 1.5, "dkdv": 2.0}
-LEVER_NAMES = ("tma", "lookahead", "a_regs")  # the kernels' lever constexprs, in digit order
-LEVERS = [(False, False, False), (False, True, False), (True, False, False), (True, True, False)]
-# The forward's TMA and lookahead were swept before (docs/BENCHMARKS.md): both on; A_REGS off/on.
-FWD_LEVERS = [(True, True, False), (True, True, True)]
+# The kernels' lever constexprs, in digit order: three switches, then the forward's query tiles
+# per program (a count; the backward kernels take one tile per program).
+LEVER_NAMES = ("tma", "lookahead", "a_regs", "q_tiles")
+LEVERS = [(False, False, False, 1), (False, True, False, 1), (True, False, False, 1),
+          (True, True, False, 1)]  # fmt: skip
+# The forward's TMA and lookahead were swept before (docs/BENCHMARKS.md): both on; A_REGS off/on,
+# and with it four query tiles per program (the op's choice at head dim 128, session 8).
+FWD_LEVERS = [(True, True, False, 1), (True, True, True, 1), (True, True, True, 4)]
 
 
-def parse_levers(specs: list[str]) -> list[tuple[bool, ...]]:
-    """``"10"`` = TMA without lookahead: up to three digits, ``LEVER_NAMES`` order, missing = 0."""
+def parse_levers(specs: list[str], kind: str = "fwd") -> list[tuple]:
+    """``"10"`` = TMA without lookahead; ``"1114"`` = TMA, lookahead, A_REGS, four query tiles per
+    program. Up to four digits in ``LEVER_NAMES`` order: the switches 0/1 (missing = 0), the tile
+    count 1-9 (missing = 1, and only 1 for the backward kernels)."""
     out = []
+    n = len(LEVER_NAMES)
     for x in specs:
-        if not (1 <= len(x) <= len(LEVER_NAMES)) or set(x) - {"0", "1"}:
-            raise SystemExit(f"lever set {x!r}: want up to {len(LEVER_NAMES)} digits 0/1")
-        out.append(tuple(c == "1" for c in x.ljust(len(LEVER_NAMES), "0")))
+        if not (1 <= len(x) <= n) or set(x[: n - 1]) - {"0", "1"} or not x.isdigit():
+            raise SystemExit(f"lever set {x!r}: want up to {n - 1} digits 0/1, then a tile count")
+        tiles = int(x[n - 1]) if len(x) == n else 1
+        if not 1 <= tiles <= 9 or (kind != "fwd" and tiles != 1):
+            raise SystemExit(
+                f"lever set {x!r}: query tiles per program 1-9 (forward), 1 (backward)"
+            )
+        out.append((*(c == "1" for c in x[: n - 1].ljust(n - 1, "0")), tiles))
     return out
 
 
-def lever_digits(lev: tuple[bool, ...]) -> str:
+def lever_digits(lev: tuple) -> str:
     """The command-line spelling of a lever set, ``parse_levers``' inverse."""
-    return "".join("1" if x else "0" for x in lev)
+    *switches, tiles = lev
+    return "".join("1" if x else "0" for x in switches) + str(tiles)
 
 
 def combos(
@@ -95,7 +108,7 @@ def runner(kind, D, lev, cfg, tensors):
     q, k, v, do, lengths = tensors
     B, H, T, _ = q.shape
     bm, bn, warps, stages = cfg
-    tma, la, a_regs = lev
+    tma, la, a_regs, q_tiles = lev
     interp = os.environ.get("TRITON_INTERPRET") == "1"  # a CPU smoke test of this script
     if tma and not interp:
         triton.set_allocator(sa._device_allocator)
@@ -109,10 +122,10 @@ def runner(kind, D, lev, cfg, tensors):
         out = sa._empty_bthd_as_bhtd(q)
         n_mx = triton.cdiv(T, bm)
         mx = torch.zeros(B * H, n_mx, dtype=torch.float32, device=q.device)
-        grid = (triton.cdiv(T, bm), B * H)
+        grid = (triton.cdiv(triton.cdiv(T, bm), q_tiles), B * H)
         args = sa._kernel_args((q, k, v, out), (mx,), lengths, H, T, n_mx, scale, 0.0)
         kern, outs = sa._sigmoid_fwd_kernel, (out,)
-        common["RETURN_MAX"] = False
+        common.update(RETURN_MAX=False, Q_TILES=q_tiles)
     elif kind == "dq":
         dq = sa._empty_bthd_as_bhtd(q)
         grid = (triton.cdiv(T, bm), B * H)
@@ -221,7 +234,7 @@ def summarise(df: pd.DataFrame) -> str:
         best = {}
         names = [n for n in LEVER_NAMES if n in g.columns]
         for (kind, *lev), h in g[g.kernel != "cudnn"].groupby(["kernel", *names]):
-            lev = tuple(bool(x) for x in lev)
+            lev = tuple(int(x) for x in lev)
             tag = " ".join(f"{n}={x:d}" for n, x in zip(names, lev, strict=True))
             ok = h.dropna(subset=["ms"])
             bad = ", ".join(f"{c}:{e}" for c, e in zip(h.config, h.err, strict=True) if e)
@@ -256,11 +269,12 @@ def main(argv=None) -> None:
         nargs="+",
         default=[lever_digits(lev) for lev in LEVERS],
         help="TMA, LOOKAHEAD, A_REGS as up to three digits (missing = 0), e.g. 10 = TMA without"
-        " lookahead, 111 = TMA + lookahead + the A operand in registers",
+        " lookahead, 111 = TMA + lookahead + the A operand in registers; a fourth digit is the"
+        " forward's query tiles per program (1 here)",
     )
     p.add_argument(
         "--fwd-levers", nargs="+", default=[lever_digits(lev) for lev in FWD_LEVERS],
-        help="the same, forward",
+        help="the same, forward; e.g. 1114 = TMA, lookahead, A_REGS, 4 query tiles per program",
     )  # fmt: skip
     p.add_argument("--configs", nargs="*", default=[], help="KIND=BMxBNxWxS,... per kind")
     p.add_argument("--repeat", type=int, default=1, help="interleaved timing rounds (median)")
@@ -271,7 +285,7 @@ def main(argv=None) -> None:
         sys.exit("sweep_configs: needs a CUDA GPU")
     os.makedirs(a.out, exist_ok=True)
     n_gpu = torch.cuda.device_count()
-    levers, fwd_levers = parse_levers(a.levers), parse_levers(a.fwd_levers)
+    levers, fwd_levers = parse_levers(a.levers, "bwd"), parse_levers(a.fwd_levers)
     candidates = parse_configs(a.configs)
     jobs = list(combos(a.head_dims, a.kinds, levers, candidates, fwd_levers))
     ctx = mp.get_context("spawn")

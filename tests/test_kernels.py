@@ -290,17 +290,23 @@ def _lever_cases(device, dtype):
 @pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
 @pytest.mark.parametrize("lookahead", [False, True], ids=["plain", "lookahead"])
 @pytest.mark.parametrize("a_regs", [False, True], ids=["smem", "aregs"])
-def test_forward_levers_match_reference(device, dtype, tma, lookahead, a_regs):
+@pytest.mark.parametrize("q_tiles", [1, 2, 4], ids=["q1", "q2", "q4"])
+def test_forward_levers_match_reference(device, dtype, tma, lookahead, a_regs, q_tiles):
     """Each forward lever alone and together (the op takes lookahead, plus TMA from T = 4096 where
-    aligned, plus q in registers at head dim 128), with the fused max|logit|: same criterion, odd
-    lengths, length 1 and all-but-one padding, gapped views with NaN padding."""
+    aligned, plus q in registers and four query tiles per program at head dim 128), with the fused
+    max|logit|: same criterion, odd lengths, length 1 and all-but-one padding, gapped views with
+    NaN padding. In the interpreter (16-row tiles, T <= 37: three tiles) two tiles per program
+    leave a last program with one tile past T, and a program whose tiles are all padding."""
     from stabilitylab.kernels.sigmoid_attention import launch_forward
 
     if a_regs and device == "cpu":
         pytest.skip("A_REGS is an inline PTX move: the interpreter runs without it")
+    if device == "cpu" and q_tiles == 4:
+        pytest.skip("in the interpreter q2 covers the grouped path (q4 is one program per (b, h))")
     for D, T, lengths, (q, k, v), (qn, kn, vn), lengths_B, mode, _ in _lever_cases(device, dtype):
         args = (lengths_B, 1 / math.sqrt(D), 0.0, True, mode, True)
-        out, max_BH = launch_forward(qn, kn, vn, *args, tma=tma, lookahead=lookahead, a_regs=a_regs)
+        levers = dict(tma=tma, lookahead=lookahead, a_regs=a_regs, q_tiles=q_tiles)
+        out, max_BH = launch_forward(qn, kn, vn, *args, **levers)
         ref64 = sigmoid_attention_reference(q.double(), k.double(), v.double(), lengths_B)
         ref_t = sigmoid_attention_reference(q, k, v, lengths_B)
         where = (D, T, lengths)
@@ -356,6 +362,20 @@ def test_a_regs_choice_follows_the_measurements():
     assert not use_a_regs(q(128, torch.float32), tma=True)
     args = _common_args(128, torch.bfloat16, True, 1, True)
     assert args["A_REGS"] is (os.environ.get("TRITON_INTERPRET") != "1")
+
+
+def test_q_tiles_is_checked_and_the_op_takes_one():
+    """The op runs one query tile per forward program (four were not measurably faster in it,
+    docs/BENCHMARKS.md session 8); a bad count is refused before any launch."""
+    from stabilitylab.kernels.sigmoid_attention import FWD_Q_TILES, launch_forward
+
+    assert FWD_Q_TILES == 1
+    x = torch.zeros(1, 1, 8, 64)
+    lengths = torch.tensor([8])
+    for bad in (0, 17, 2.0):
+        with pytest.raises(ValueError, match="q_tiles"):
+            launch_forward(x, x, x, lengths, 0.125, 0.0, True, 0, False, tma=False,
+                           lookahead=True, q_tiles=bad)  # fmt: skip
 
 
 def test_custom_op_path_equals_the_eager_function(device):
@@ -478,3 +498,24 @@ def test_host_integer_helpers_match_triton():
         for b in (16, 32, 64, 128):
             assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
         assert seq_bucket(n) == triton.next_power_of_2(max(n, 16)), n
+
+
+def test_sweep_lever_digits_round_trip_and_refuse_bad_sets():
+    """The sweep's lever sets: three switches then the forward's query tiles per program."""
+    from stabilitylab.kernels.sweep_configs import FWD_LEVERS, LEVERS, lever_digits, parse_levers
+
+    assert parse_levers(["1114", "10", "1"]) == [
+        (True, True, True, 4), (True, False, False, 1), (True, False, False, 1)
+    ]  # fmt: skip
+    for lev in (*LEVERS, *FWD_LEVERS):
+        assert parse_levers([lever_digits(lev)]) == [lev]
+    assert parse_levers(["0001"], "bwd") == [(False, False, False, 1)]
+    for bad, kind in (
+        ("2", "fwd"),
+        ("11140", "fwd"),
+        ("1110", "fwd"),
+        ("1x", "fwd"),
+        ("1112", "bwd"),
+    ):
+        with pytest.raises(SystemExit, match="lever set"):
+            parse_levers([bad], kind)
