@@ -561,9 +561,9 @@ BWD_LEVERS = {"tma_dq": True, "tma_dkdv": True, "lookahead": False, "a_regs": Fa
 FWD_A_REGS_HEAD_DIMS = (128,)
 # Query tiles per forward program in the op: one. Four (the lever ``Q_TILES``: a program builds
 # its three tensor descriptors once for all its tiles) cut the cycles per tile by 3.8% at head dim
-# 128, T = 4K, in clock probes, but the op's forward time did not follow (median of per-round
-# gains +2.3% / +0.9% / +0.3% at 4K / 8K / 16K in one call, -1.1% / -2.4% / +1.1% in another;
-# the SM clock read 1.58 vs 1.65 GHz in the probed runs): docs/BENCHMARKS.md, session 8.
+# 128, T = 4K, in clock probes, but the op's forward time did not follow (+2.3% / +0.9% / +0.3%
+# at 4K / 8K / 16K in one call, medians of per-round gains; -1.1% / -2.4% / +1.1% in another;
+# the boards run at their power cap, docs/BENCHMARKS.md, session 8).
 FWD_Q_TILES = 1
 
 
