@@ -7,10 +7,12 @@
 Grid: bf16, head dim 64/128, T = 1K..16K, 16,384 tokens per batch (B = 16384 / T), hidden 2048
 (H = 2048 / D), padding 0/25/50% (every sequence has L = (1 - p) T valid tokens). TFLOPS count
 valid tokens only: forward 4 H D sum(L^2), backward 2.5x forward; time = do_bench median (ms).
-``sigmoid-triton`` is the op as the model calls it (lookahead always, TMA from T = 4096 if aligned,
-q in registers at head dim 128); ``sigmoid-triton-plain / -tma / -lookahead`` force the forward's
-levers off / one on, ``sigmoid-triton-tma-lookahead`` both on at any T, and ``-tma-lookahead-aregs``
-those and q in registers, to measure each (forward only: the backward does not change).
+``sigmoid-triton`` is the op as the model calls it (unpadded at head dim 128: the dense kernels;
+else lookahead always, TMA from T = 4096 if aligned, q in registers at head dim 128);
+``sigmoid-triton-plain / -tma / -lookahead`` force the general forward's levers off / one on,
+``sigmoid-triton-tma-lookahead`` both on at any T, and ``-tma-lookahead-aregs`` those and q in
+registers, to measure each (forward only: the backward does not change). Unpadded at head dim 128,
+``-tma-lookahead-aregs`` is the general kernel the op used before session 9.
 Softmax baselines get a key-padding mask where they support one (cuDNN: boolean mask; flash: none,
 so padded rows are skipped; FlexAttention: a block mask that skips padded blocks). Expected on an
 H200 (shared/notes/kernel-levers.md): cuDNN ~445 fwd TFLOPS at hd64, ~600 at hd128.

@@ -42,6 +42,11 @@ builds its tensor descriptors once (clock probes: ~5,000 of a program's ~8,800 c
 key loop, hd 128, T = 4K); the op keeps one tile per program (``FWD_Q_TILES``: four saved 3.8% of
 the cycles per tile, but not measurably the op's time, session 8 in docs/BENCHMARKS.md).
 
+Unpadded batches (every L_b == T) at head dim 128 go to the kernels of
+``kernels/sigmoid_attention_dense.py`` instead (``use_dense``): the same maths with descriptors
+built once on the host, so no program builds any; bit-identical results, +3% forward at T = 4K and
++5-8% at 1-2K (session 9, docs/BENCHMARKS.md).
+
 Sigmoid modes (constexpr ``SIGMOID``): 0 exact ``1/(1+exp(-x))``; 1 ``0.5 tanh(x/2) + 0.5`` with
 ``tanh.approx.f32`` (one MUFU op, the default for 16-bit inputs). Inline PTX cannot run in the
 interpreter, so the launcher picks mode 0 there at call time. Not used: packed
@@ -61,6 +66,13 @@ import triton
 import triton.language as tl
 
 from stabilitylab.kernels.reference import sigmoid_attention_reference  # noqa: F401  (the maths)
+from stabilitylab.kernels.sigmoid_attention_dense import (
+    _sigmoid_bwd_dkdv_dense_kernel,
+    _sigmoid_bwd_dq_dense_kernel,
+    _sigmoid_fwd_dense_kernel,
+    descriptors,
+    set_blocks,
+)
 from stabilitylab.kernels.triton_support import (
     Tuned,
     capability,
@@ -69,6 +81,7 @@ from stabilitylab.kernels.triton_support import (
     interpreted,
     interpreting,
     last_dim_contiguous,
+    lengths_all_full,
     seq_bucket,
 )
 
@@ -436,8 +449,12 @@ INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
 
 
 @functools.cache  # called on every forward (the max-logit buffer size): build the list once
-def _configs(kind: str, cap: tuple[int, int], fp32: bool = False) -> tuple[triton.Config, ...]:
+def _configs(
+    kind: str, cap: tuple[int, int], fp32: bool = False, dense: bool = False
+) -> tuple[triton.Config, ...]:  # fmt: skip
     """``kind``: fwd (BLOCK_M queries x BLOCK_N keys per step), dq (same), dkdv (BLOCK_N keys fixed).
+    ``dense``: the same tiles for the kernels of unpadded batches, whose host-built descriptors
+    take their blocks from the config (``set_blocks``, a pre-hook).
 
     float32 (a testing dtype) gets small tiles of its own: the 16-bit tiles at 4 bytes a value
     overflow shared memory at head dim 128, and compiling them took minutes on the H200."""
@@ -458,32 +475,43 @@ def _configs(kind: str, cap: tuple[int, int], fp32: bool = False) -> tuple[trito
             "dq": [(64, 64, 4, 2), (64, 32, 4, 2)],
             "dkdv": [(32, 64, 4, 2), (64, 64, 4, 2)],
         }[kind]
+    hook = set_blocks if dense else None
     return tuple(
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=hook)
         for m, n, w, s in blocks
     )
 
 
 _TUNED: dict[tuple, Tuned] = {}
+# Each kernel's lever constexprs: with the T bucket and head dim, its autotune key.
+_LEVERS = {
+    _sigmoid_fwd_kernel: ("TMA", "LOOKAHEAD", "SIGMOID", "A_REGS", "Q_TILES"),
+    _sigmoid_bwd_dq_kernel: ("TMA", "LOOKAHEAD", "SIGMOID", "A_REGS"),
+    _sigmoid_bwd_dkdv_kernel: ("TMA", "LOOKAHEAD", "SIGMOID", "A_REGS"),
+    _sigmoid_fwd_dense_kernel: ("SIGMOID", "A_REGS"),
+    _sigmoid_bwd_dq_dense_kernel: ("SIGMOID",),
+    _sigmoid_bwd_dkdv_dense_kernel: ("SIGMOID",),
+}
+_DENSE = (_sigmoid_fwd_dense_kernel, _sigmoid_bwd_dq_dense_kernel, _sigmoid_bwd_dkdv_dense_kernel)
 
 
 def _launch(kernel, kind: str, q: torch.Tensor, grid, args: tuple, kwargs: dict) -> None:
     """Launch ``kernel``: interpreted with one config, or autotuned per architecture and key
     (T bucket, head dim, levers, dtype) and then launched straight with the config chosen."""
+    dense = kernel in _DENSE
     if interpreting():
+        if dense:
+            set_blocks({**kwargs, **INTERPRETER_BLOCKS})
         interpreted(kernel)[grid](*args, **kwargs, **INTERPRETER_BLOCKS)
         return
     cap, fp32 = capability(q.device), q.dtype == torch.float32
+    levers = _LEVERS[kernel]
     tuned = _TUNED.get((kernel, cap, fp32))
     if tuned is None:
-        levers = ["TMA", "LOOKAHEAD", "SIGMOID", "A_REGS", *(["Q_TILES"] if kind == "fwd" else [])]
         tuned = _TUNED[(kernel, cap, fp32)] = Tuned(
-            kernel, _configs(kind, cap, fp32), ["T_BUCKET", "HEAD_DIM", *levers]
+            kernel, _configs(kind, cap, fp32, dense), ["T_BUCKET", "HEAD_DIM", *levers]
         )
-    key = (
-        seq_bucket(q.shape[2]), kwargs["HEAD_DIM"], kwargs["TMA"], kwargs["LOOKAHEAD"],
-        kwargs["SIGMOID"], kwargs["A_REGS"], kwargs.get("Q_TILES", 1), q.dtype,
-    )  # fmt: skip
+    key = (seq_bucket(q.shape[2]), kwargs["HEAD_DIM"], *[kwargs[n] for n in levers], q.dtype)
     tuned.launch(grid, key, *args, **kwargs)
 
 
@@ -602,20 +630,7 @@ def _forward(
     if tma and not interpreting():
         triton.set_allocator(_device_allocator)
     out = _empty_bthd_as_bhtd(q)
-    # Sized for the smallest BLOCK_M of any config; programs that do not exist leave a neutral 0.
-    if not return_max:
-        n_mx = 1
-    elif interpreting():
-        n_mx = cdiv(T, INTERPRETER_BLOCKS["BLOCK_M"])
-    else:
-        fwd_configs = _configs("fwd", capability(q.device), q.dtype == torch.float32)
-        n_mx = cdiv(T, min(c.kwargs["BLOCK_M"] for c in fwd_configs))
-    # Without the max the kernel never touches MX: pass a cached scalar (no fill kernel per call).
-    mx = (
-        torch.zeros(B * H, n_mx, dtype=torch.float32, device=q.device)
-        if return_max
-        else _unused_f32(q.device)
-    )
+    mx, n_mx = _max_buffer(q, return_max)
     grid = lambda meta: (cdiv(cdiv(T, meta["BLOCK_M"]), q_tiles), B * H)
     args = _kernel_args((q, k, v, out), (mx,), lengths, H, T, n_mx, scale, bias)
     kwargs = dict(RETURN_MAX=return_max, TMA=tma, LOOKAHEAD=lookahead, Q_TILES=q_tiles)
@@ -631,6 +646,79 @@ def _forward(
     return out, max_bh
 
 
+def _max_buffer(q: torch.Tensor, return_max: bool) -> tuple[torch.Tensor, int]:
+    """The forward's per-(b*h, query tile) max|logit| buffer and its columns: sized for the smallest
+    BLOCK_M of any config, so programs that do not exist leave a neutral 0. Without the max the
+    kernel never touches it: a cached scalar (no fill kernel per call)."""
+    B, H, T, _ = q.shape
+    if not return_max:
+        return _unused_f32(q.device), 1
+    if interpreting():
+        n_mx = cdiv(T, INTERPRETER_BLOCKS["BLOCK_M"])
+    else:
+        fwd_configs = _configs("fwd", capability(q.device), q.dtype == torch.float32)
+        n_mx = cdiv(T, min(c.kwargs["BLOCK_M"] for c in fwd_configs))
+    return torch.zeros(B * H, n_mx, dtype=torch.float32, device=q.device), n_mx
+
+
+# The dense kernels (unpadded batches, descriptors built on the host) at head dim 128 only. H200,
+# session 9 (docs/BENCHMARKS.md), against the general kernels in one process: head dim 128 forward
+# +5% / +8% / +3% / +1% / 0% at T = 1K / 2K / 4K / 8K / 16K, backward +5% / +5% / +3% / +1% / +3%,
+# bit-identical results. Head dim 64 forward -1% at 8K and 16K in three calls, the backward mixed
+# (-3% to +3%), and the model step (hd 64, 8K) 0.3-0.4 ms slower: there two programs share an SM
+# and overlap each other's descriptor builds (session 8's clock probes), so there is little to save.
+DENSE_HEAD_DIMS = (128,)
+
+
+def use_dense(lengths: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """The op's choice of the kernels for unpadded batches (``sigmoid_attention_dense.py``): no
+    sequence padded, head dim in ``DENSE_HEAD_DIMS``, 16-bit (float32 is a testing dtype), and
+    descriptors possible (sm90+ or the interpreter, 16-byte aligned)."""
+    q = tensors[0]
+    return (
+        q.shape[-1] in DENSE_HEAD_DIMS
+        and q.dtype != torch.float32
+        and tma_ok(*tensors)
+        and lengths_all_full(lengths, q.shape[2])
+    )
+
+
+def _forward_dense(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, a_regs):
+    """The forward of an unpadded batch: descriptors built here, once per call."""
+    B, H, T, D = q.shape
+    out = _empty_bthd_as_bhtd(q)
+    mx, n_mx = _max_buffer(q, return_max)
+    grid = lambda meta: (cdiv(T, meta["BLOCK_M"]), B * H)
+    args = (out, mx, lengths, *out.stride()[:3], H, T, seq_bucket(T), n_mx, scale, bias)
+    kwargs = {
+        "RETURN_MAX": return_max,
+        **descriptors(Q=q, K=k, V=v),
+        **_common_args(D, q.dtype, log_bias, sigmoid, a_regs),
+    }
+    _launch(_sigmoid_fwd_dense_kernel, "fwd", q, grid, args, kwargs)
+    max_bh = mx.amax(dim=1).view(B, H) if return_max else mx.new_empty(0)
+    return out, max_bh
+
+
+def _backward_dense(do, q, k, v, lengths, scale, bias, log_bias, sigmoid):
+    """The dQ and dK/dV kernels of an unpadded batch: ``(dq, dk, dv)``."""
+    B, H, T, D = q.shape
+    common = _common_args(D, q.dtype, log_bias, sigmoid, False)
+    del common["A_REGS"]  # the dense backward kernels have no such lever
+    desc = descriptors(Q=q, K=k, V=v, DO=do)
+    dq = _empty_bthd_as_bhtd(q)
+    args = (dq, lengths, *dq.stride()[:3], H, T, seq_bucket(T), scale, bias)
+    grid = lambda meta: (cdiv(T, meta["BLOCK_M"]), B * H)
+    _launch(_sigmoid_bwd_dq_dense_kernel, "dq", q, grid, args, {**common, **desc})
+    # Fresh descriptors: the pre-hook sets each one's block to its own kernel's config.
+    desc = descriptors(Q=q, K=k, V=v, DO=do)
+    dk, dv = _empty_bthd_as_bhtd(k), _empty_bthd_as_bhtd(v)
+    args = (dk, dv, lengths, *dk.stride()[:3], *dv.stride()[:3], H, T, seq_bucket(T), scale, bias)
+    grid = lambda meta: (cdiv(T, meta["BLOCK_N"]), B * H)
+    _launch(_sigmoid_bwd_dkdv_dense_kernel, "dkdv", q, grid, args, {**common, **desc})
+    return dq, dk, dv
+
+
 def use_a_regs(q: torch.Tensor, tma: bool) -> bool:
     """The forward's ``A_REGS`` choice: q read by the q k^T wgmma from registers, not shared
     memory, with TMA loads at head dim 128 in 16-bit. H200, session 7 (docs/BENCHMARKS.md): the
@@ -641,9 +729,14 @@ def use_a_regs(q: torch.Tensor, tma: bool) -> bool:
 
 
 def forward_auto(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max):
-    """The forward with the op's lever choice (TMA from T = 4096 where possible, lookahead, q in
-    registers with TMA at head dim 128, ``FWD_Q_TILES`` query tiles per program)."""
+    """The forward with the op's choice: an unpadded batch to the dense kernel (``use_dense``; q
+    in registers at head dim 128); else TMA from T = 4096 where possible, lookahead, q in
+    registers with TMA at head dim 128, ``FWD_Q_TILES`` query tiles per program."""
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    if use_dense(lengths, q, k, v):
+        return _forward_dense(
+            q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, use_a_regs(q, True)
+        )
     tma = use_tma(q, k, v)
     return _forward(
         q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, True,
@@ -727,8 +820,11 @@ def _backward_launch(
 
 
 def backward_auto(do, q, k, v, lengths, scale, bias, log_bias, sigmoid):
-    """The backward with the op's lever choice (``BWD_LEVERS``; TMA from T = TMA_MIN_T only)."""
+    """The backward with the op's choice: an unpadded batch to the dense kernels (``use_dense``),
+    else ``BWD_LEVERS`` (TMA from T = TMA_MIN_T only)."""
     do, q, k, v = (last_dim_contiguous(t) for t in (do, q, k, v))
+    if use_dense(lengths, q, k, v, do):
+        return _backward_dense(do, q, k, v, lengths, scale, bias, log_bias, sigmoid)
     tma = use_tma(q, k, v, do)
     return _backward_launch(
         do, q, k, v, lengths, scale, bias, log_bias, sigmoid,

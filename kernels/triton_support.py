@@ -69,12 +69,15 @@ class Tuned:
 
     ``tuned.launch(grid, key, *args, **kwargs)``; ``key`` must determine the autotuner's own key
     (its ``key_names`` values); ``cache`` and ``base_fn`` mirror the autotuner's, for
-    ``autotune_choices``."""
+    ``autotune_choices``. A config's ``pre_hook`` runs before straight launches too, on the
+    keyword arguments and the config's."""
 
     def __init__(self, kernel, configs, key_names: list[str]):
         self.jit = compiled(kernel)
         self.tuner = triton.autotune(configs=list(configs), key=key_names)(self.jit)
         self._best: dict[tuple, dict] = {}
+        # The chosen config's pre-hook, which straight launches run as the tuner runs it.
+        self._hook: dict[tuple, object] = {}
 
     @property
     def cache(self) -> dict:
@@ -91,7 +94,11 @@ class Tuned:
             chosen = getattr(self.tuner, "best_config", None)  # set by every autotuner run
             if chosen is not None:
                 self._best[key] = chosen.all_kwargs()
+                self._hook[key] = chosen.pre_hook
         else:
+            hook = self._hook.get(key)
+            if hook is not None:  # sees the keyword arguments and the config's (the dense
+                hook({**kwargs, **best})  # kernels' descriptors are keyword arguments)
             self.jit[grid](*args, **kwargs, **best)
 
 
@@ -180,18 +187,42 @@ class LastTensorMemo:
             self._seen = (weakref.ref(t), t._version, key, value)
         return value
 
+    def peek(self, t: torch.Tensor, key):
+        """The answer held for ``t`` and ``key``, or None: never computes."""
+        if self._seen is not None and not t.is_inference():
+            ref, version, seen_key, value = self._seen
+            if ref() is t and version == t._version and seen_key == key:
+                return value
+        return None
+
 
 _lengths_in_range = LastTensorMemo()
 
 
-def _check_lengths_range(lengths_B: torch.Tensor, T: int) -> None:
-    def read() -> bool:
+def _lengths_min_max(lengths_B: torch.Tensor, T: int) -> tuple[int, int]:
+    """``(min, max)`` of the lengths, checked to lie in [1, T]: one sync per new lengths tensor."""
+
+    def read() -> tuple[int, int]:
         lo, hi = torch.stack(torch.aminmax(lengths_B)).tolist()  # one sync, not two
         if lo < 1 or hi > T:
             raise ValueError(f"lengths_B must lie in [1, T={T}], got min {lo}, max {hi}")
-        return True
+        return lo, hi
 
-    _lengths_in_range.get(lengths_B, T, read)
+    return _lengths_in_range.get(lengths_B, T, read)
+
+
+def _check_lengths_range(lengths_B: torch.Tensor, T: int) -> None:
+    _lengths_min_max(lengths_B, T)
+
+
+def lengths_all_full(lengths_B: torch.Tensor, T: int) -> bool:
+    """Whether no sequence is padded (every L_b == T), from the range check's memo; a lengths
+    tensor not seen yet is read (one sync) unless a CUDA graph is being captured, where a sync is
+    an error: then False (the kernels for padded batches serve every batch)."""
+    if lengths_B.is_cuda and torch.cuda.is_current_stream_capturing():
+        seen = _lengths_in_range.peek(lengths_B, T)
+        return seen is not None and seen[0] == T
+    return _lengths_min_max(lengths_B, T)[0] == T
 
 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

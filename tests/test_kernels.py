@@ -34,19 +34,22 @@ DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
 DTYPES = [torch.float16, torch.float32, pytest.param(torch.bfloat16, marks=gpu)]
 # (T, lengths) per device: tiny in the interpreter, several production tiles on the GPU.
 # "whole_tiles": lengths that end on a tile boundary short of T, so the last key tile is full and
-# the look-ahead tile past it lies wholly in the NaN padding.
+# the look-ahead tile past it lies wholly in the NaN padding. "full": no padding, T not a multiple
+# of the tile: the op takes the dense kernels there (16-bit), which read past T as zeros.
 SHAPES = {
     "cpu": {
         "odd": (37, [37, 19]),
         "len1": (21, [1, 21]),
         "all_but_one": (33, [1, 1]),
         "whole_tiles": (37, [32, 16]),
+        "full": (37, [37, 37]),
     },
     "cuda": {
         "odd": (523, [523, 300]),
         "len1": (257, [1, 257]),
         "all_but_one": (700, [1, 1]),
         "whole_tiles": (523, [512, 256]),
+        "full": (523, [523, 523]),
     },
 }
 
@@ -455,7 +458,7 @@ def test_tuned_autotunes_once_per_key_then_launches_straight():
             return lambda *args, **kwargs: calls.append((self.name, args, kwargs))
 
     tuned = Tuned.__new__(Tuned)
-    tuned.jit, tuned.tuner, tuned._best = Fake("jit"), Fake("tuner"), {}
+    tuned.jit, tuned.tuner, tuned._best, tuned._hook = Fake("jit"), Fake("tuner"), {}, {}
     for key in [("T4096",), ("T4096",), ("T8192",), ("T4096",)]:
         tuned.launch(None, key, 1, 2, HEAD_DIM=64)
     assert [c[0] for c in calls] == ["tuner", "jit", "tuner", "jit"]
@@ -463,6 +466,19 @@ def test_tuned_autotunes_once_per_key_then_launches_straight():
     assert args == (1, 2) and kwargs["HEAD_DIM"] == 64
     assert kwargs["BLOCK_M"] == 64 and kwargs["num_warps"] == 4 and kwargs["num_stages"] == 2
     assert "BLOCK_M: 64" in autotune_choices({"k": tuned})["_k[4096, 64]"]  # run provenance
+
+    # A config with a pre-hook (the dense kernels' descriptor blocks): straight launches run it
+    # too, on the keyword arguments and the config's, before launching.
+    hooked = []
+    tuner = Fake("tuner")
+    tuner.best_config = triton.Config(
+        {"BLOCK_M": 32}, num_warps=4, num_stages=2, pre_hook=lambda nargs: hooked.append(nargs)
+    )
+    tuned.tuner, calls[:] = tuner, []
+    tuned.launch(None, ("hooked",), 1, Q_d="desc")  # the tuner runs the hook itself
+    tuned.launch(None, ("hooked",), 1, Q_d="desc")
+    assert [c[0] for c in calls] == ["tuner", "jit"]
+    assert len(hooked) == 1 and hooked[0]["Q_d"] == "desc" and hooked[0]["BLOCK_M"] == 32
 
 
 @pytest.mark.gpu
@@ -519,3 +535,74 @@ def test_sweep_lever_digits_round_trip_and_refuse_bad_sets():
     ):
         with pytest.raises(SystemExit, match="lever set"):
             parse_levers([bad], kind)
+
+
+def test_unpadded_batches_take_the_dense_kernels_with_the_same_results(device, monkeypatch):
+    """An unpadded 16-bit batch at head dim 128 goes to the dense kernels (descriptors built on
+    the host); head dim 64, a padded, a float32 or an unaligned batch to the general kernels. On
+    the same unpadded inputs both give the same outputs, max|logit| and gradients (bit for bit in
+    the interpreter, whose tiles are equal; on the GPU each is autotuned alone: within rounding)."""
+    import importlib
+
+    sa = importlib.import_module("stabilitylab.kernels.sigmoid_attention")  # the module
+    launched, launch = [], sa._launch
+
+    def spy(kernel, *args, **kwargs):
+        launched.append(kernel.fn.__name__)
+        return launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(sa, "_launch", spy)
+    gen = _generator(device)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    T, lengths = SHAPES[device]["full"]
+    assert sa.DENSE_HEAD_DIMS == (128,)
+    for D in (64, 128):
+        _, (q, k, v), lengths_B = _inputs(2, 2, T, D, lengths, dtype, device, gen)
+        g = torch.randn(q.shape, generator=gen, device=device).to(dtype)
+        args = (lengths_B, 1 / math.sqrt(D), 0.0, True, 1 if device == "cuda" else 0)
+        assert sa.use_dense(lengths_B, q, k, v, g) is (D == 128)
+        monkeypatch.setattr(sa, "DENSE_HEAD_DIMS", (D,))  # run the dense kernels at both
+        launched.clear()
+        out, max_BH = sa.forward_auto(q, k, v, *args, True)
+        grads = sa.backward_auto(g, q, k, v, *args)
+        monkeypatch.setattr(sa, "DENSE_HEAD_DIMS", (128,))
+        assert launched == [
+            "_sigmoid_fwd_dense_kernel", "_sigmoid_bwd_dq_dense_kernel",
+            "_sigmoid_bwd_dkdv_dense_kernel",
+        ], launched  # fmt: skip
+        a_regs = sa.use_a_regs(q, True)
+        out_g, max_g = sa.launch_forward(
+            q, k, v, *args, True, tma=True, lookahead=True, a_regs=a_regs
+        )
+        grads_g = sa.launch_backward(g, q, k, v, *args, tma_dq=True, tma_dkdv=True, lookahead=False)
+        for a, b in zip((out, max_BH, *grads), (out_g, max_g, *grads_g), strict=True):
+            if device == "cpu":
+                assert torch.equal(a, b), D
+            else:
+                torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+    # Not dense: one sequence padded; float32; a row stride of 129 values (not 16-byte aligned).
+    _, (q, k, v), padded_B = _inputs(2, 2, T, 128, SHAPES[device]["odd"][1], dtype, device, gen)
+    assert not sa.use_dense(padded_B, q, k, v)
+    assert not sa.use_dense(lengths_B, *(t.float() for t in (q, k, v)))
+    x = torch.randn(1, 2, T, 129, device=device, dtype=dtype)[..., :128]
+    assert not sa.use_dense(lengths_B[:1], x, x, x)
+    launched.clear()
+    sa.forward_auto(x, x, x, lengths_B[:1], 0.125, 0.0, True, 0, False)
+    assert launched == ["_sigmoid_fwd_kernel"]
+
+
+def test_lengths_all_full_reads_the_range_memo():
+    from stabilitylab.kernels.triton_support import LastTensorMemo, lengths_all_full
+
+    full, padded = torch.tensor([8, 8]), torch.tensor([8, 3])
+    assert lengths_all_full(full, 8) and not lengths_all_full(padded, 8)
+    assert not lengths_all_full(full, 9)  # another T, another answer
+    with pytest.raises(ValueError, match=r"\[1, T=8\]"):
+        lengths_all_full(torch.tensor([8, 9]), 8)
+    memo = LastTensorMemo()
+    assert memo.peek(full, 8) is None  # peek never computes
+    assert memo.get(full, 8, lambda: "read") == "read"
+    assert memo.peek(full, 8) == "read" and memo.peek(full, 7) is None
+    full[0] = 7  # an in-place change: the memo no longer answers for it
+    assert memo.peek(full, 8) is None
