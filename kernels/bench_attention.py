@@ -12,7 +12,8 @@ else lookahead always, TMA from T = 4096 if aligned, q in registers at head dim 
 ``sigmoid-triton-plain / -tma / -lookahead`` force the general forward's levers off / one on,
 ``sigmoid-triton-tma-lookahead`` both on at any T, and ``-tma-lookahead-aregs`` those and q in
 registers, to measure each (forward only: the backward does not change). Unpadded at head dim 128,
-``-tma-lookahead-aregs`` is the general kernel the op used before session 9.
+the op used before session 9 what ``-tma-lookahead-aregs`` runs from T = 4096 and ``-lookahead``
+below.
 Softmax baselines get a key-padding mask where they support one (cuDNN: boolean mask; flash: none,
 so padded rows are skipped; FlexAttention: a block mask that skips padded blocks). Expected on an
 H200 (shared/notes/kernel-levers.md): cuDNN ~445 fwd TFLOPS at hd64, ~600 at hd128.

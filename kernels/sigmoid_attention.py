@@ -662,23 +662,25 @@ def _max_buffer(q: torch.Tensor, return_max: bool) -> tuple[torch.Tensor, int]:
 
 
 # The dense kernels (unpadded batches, descriptors built on the host) at head dim 128 only. H200,
-# session 9 (docs/BENCHMARKS.md), against the general kernels in one process: head dim 128 forward
-# +5% / +8% / +3% / +1% / 0% at T = 1K / 2K / 4K / 8K / 16K, backward +5% / +5% / +3% / +1% / +3%,
-# bit-identical results. Head dim 64 forward -1% at 8K and 16K in three calls, the backward mixed
-# (-3% to +3%), and the model step (hd 64, 8K) 0.3-0.4 ms slower: there two programs share an SM
-# and overlap each other's descriptor builds (session 8's clock probes), so there is little to save.
+# session 9 (docs/BENCHMARKS.md), against the general kernels in one process (call 3): head dim
+# 128 forward +5% / +8% / +3% / +1% / 0% at T = 1K / 2K / 4K / 8K / 16K, backward +5% / +5% / +3% /
+# +1% / +3%, bit-identical results. Head dim 64: forward -1% at 8K and 16K in both calls that timed
+# it, the backward mixed (-3% to +8%), and the model step (hd 64, 8K) up to 0.65 ms slower: there
+# two programs share an SM and overlap each other's descriptor builds (session 8's clock probes).
 DENSE_HEAD_DIMS = (128,)
 
 
 def use_dense(lengths: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """The op's choice of the kernels for unpadded batches (``sigmoid_attention_dense.py``): no
-    sequence padded, head dim in ``DENSE_HEAD_DIMS``, 16-bit (float32 is a testing dtype), and
-    descriptors possible (sm90+ or the interpreter, 16-byte aligned)."""
+    sequence padded (``lengths_all_full``; never under CUDA graph capture), head dim in
+    ``DENSE_HEAD_DIMS``, 16-bit (float32 is a testing dtype), and rank-4 descriptors possible:
+    sm90+ or the interpreter, 16-byte aligned, no zero (broadcast) stride."""
     q = tensors[0]
     return (
         q.shape[-1] in DENSE_HEAD_DIMS
         and q.dtype != torch.float32
         and tma_ok(*tensors)
+        and all(st > 0 for t in tensors for st in t.stride())
         and lengths_all_full(lengths, q.shape[2])
     )
 

@@ -187,14 +187,6 @@ class LastTensorMemo:
             self._seen = (weakref.ref(t), t._version, key, value)
         return value
 
-    def peek(self, t: torch.Tensor, key):
-        """The answer held for ``t`` and ``key``, or None: never computes."""
-        if self._seen is not None and not t.is_inference():
-            ref, version, seen_key, value = self._seen
-            if ref() is t and version == t._version and seen_key == key:
-                return value
-        return None
-
 
 _lengths_in_range = LastTensorMemo()
 
@@ -216,12 +208,13 @@ def _check_lengths_range(lengths_B: torch.Tensor, T: int) -> None:
 
 
 def lengths_all_full(lengths_B: torch.Tensor, T: int) -> bool:
-    """Whether no sequence is padded (every L_b == T), from the range check's memo; a lengths
-    tensor not seen yet is read (one sync) unless a CUDA graph is being captured, where a sync is
-    an error: then False (the kernels for padded batches serve every batch)."""
+    """Whether no sequence is padded (every L_b == T), from the range check's memo (a lengths
+    tensor not seen yet is read: one sync; inference tensors, which the memo cannot hold, every
+    time). Never while a CUDA graph is being captured: a sync is an error there, and a graph is
+    replayed with whatever lengths its static buffer holds then, which only the kernels that read
+    the lengths on the device (those for padded batches) handle."""
     if lengths_B.is_cuda and torch.cuda.is_current_stream_capturing():
-        seen = _lengths_in_range.peek(lengths_B, T)
-        return seen is not None and seen[0] == T
+        return False
     return _lengths_min_max(lengths_B, T)[0] == T
 
 

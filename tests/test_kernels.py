@@ -469,16 +469,16 @@ def test_tuned_autotunes_once_per_key_then_launches_straight():
 
     # A config with a pre-hook (the dense kernels' descriptor blocks): straight launches run it
     # too, on the keyword arguments and the config's, before launching.
-    hooked = []
     tuner = Fake("tuner")
     tuner.best_config = triton.Config(
-        {"BLOCK_M": 32}, num_warps=4, num_stages=2, pre_hook=lambda nargs: hooked.append(nargs)
-    )
+        {"BLOCK_M": 32}, num_warps=4, num_stages=2,
+        pre_hook=lambda nargs: calls.append(("hook", (), nargs)),
+    )  # fmt: skip
     tuned.tuner, calls[:] = tuner, []
     tuned.launch(None, ("hooked",), 1, Q_d="desc")  # the tuner runs the hook itself
     tuned.launch(None, ("hooked",), 1, Q_d="desc")
-    assert [c[0] for c in calls] == ["tuner", "jit"]
-    assert len(hooked) == 1 and hooked[0]["Q_d"] == "desc" and hooked[0]["BLOCK_M"] == 32
+    assert [c[0] for c in calls] == ["tuner", "hook", "jit"]  # the hook before the launch
+    assert calls[1][2]["Q_d"] == "desc" and calls[1][2]["BLOCK_M"] == 32
 
 
 @pytest.mark.gpu
@@ -554,9 +554,14 @@ def test_unpadded_batches_take_the_dense_kernels_with_the_same_results(device, m
     monkeypatch.setattr(sa, "_launch", spy)
     gen = _generator(device)
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    if device == "cpu":  # tiles of unequal sides, so that a descriptor given the other block fails
+        monkeypatch.setattr(sa, "INTERPRETER_BLOCKS", {"BLOCK_M": 32, "BLOCK_N": 16})
     T, lengths = SHAPES[device]["full"]
     assert sa.DENSE_HEAD_DIMS == (128,)
-    for D in (64, 128):
+    # On the GPU also a T below one tile (the autotuned tiles are 64-128 rows).
+    cases = [(64, T), (128, T), *([(128, 40)] if device == "cuda" else [])]
+    for D, T in cases:
+        lengths = [T, T]
         _, (q, k, v), lengths_B = _inputs(2, 2, T, D, lengths, dtype, device, gen)
         g = torch.randn(q.shape, generator=gen, device=device).to(dtype)
         args = (lengths_B, 1 / math.sqrt(D), 0.0, True, 1 if device == "cuda" else 0)
@@ -581,28 +586,49 @@ def test_unpadded_batches_take_the_dense_kernels_with_the_same_results(device, m
             else:
                 torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
-    # Not dense: one sequence padded; float32; a row stride of 129 values (not 16-byte aligned).
-    _, (q, k, v), padded_B = _inputs(2, 2, T, 128, SHAPES[device]["odd"][1], dtype, device, gen)
-    assert not sa.use_dense(padded_B, q, k, v)
-    assert not sa.use_dense(lengths_B, *(t.float() for t in (q, k, v)))
-    x = torch.randn(1, 2, T, 129, device=device, dtype=dtype)[..., :128]
-    assert not sa.use_dense(lengths_B[:1], x, x, x)
-    launched.clear()
-    sa.forward_auto(x, x, x, lengths_B[:1], 0.125, 0.0, True, 0, False)
-    assert launched == ["_sigmoid_fwd_kernel"]
+    # Not dense: one sequence padded; float32; a row stride of 129 values (not 16-byte aligned);
+    # a head stride of 0 (k and v broadcast over heads with expand).
+    T, lengths = SHAPES[device]["odd"]
+    (q, k, v), _, padded_B = _inputs(2, 2, T, 128, lengths, dtype, device, gen)
+    full_B = torch.full_like(padded_B, T)
+    assert sa.use_dense(full_B, q, k, v) and not sa.use_dense(padded_B, q, k, v)
+    assert not sa.use_dense(full_B, *(t.float() for t in (q, k, v)))
+    x = torch.randn(2, 2, T, 129, device=device, dtype=dtype)[..., :128]
+    assert not sa.use_dense(full_B, x, x, x)
+    kb, vb = (t[:, :1].expand_as(t) for t in (k, v))
+    assert kb.stride(1) == 0 and not sa.use_dense(full_B, q, kb, vb)
+    for args in ((x, x, x), (q, kb, vb)):
+        launched.clear()
+        out, _ = sa.forward_auto(*args, full_B, 1 / math.sqrt(128), 0.0, True, 0, False)
+        assert launched == ["_sigmoid_fwd_kernel"]
+        ref = sigmoid_attention_reference(*(t.double() for t in args), full_B)
+        assert _err(out, ref) <= 2e-2
 
 
 def test_lengths_all_full_reads_the_range_memo():
-    from stabilitylab.kernels.triton_support import LastTensorMemo, lengths_all_full
+    from stabilitylab.kernels.triton_support import lengths_all_full
 
     full, padded = torch.tensor([8, 8]), torch.tensor([8, 3])
     assert lengths_all_full(full, 8) and not lengths_all_full(padded, 8)
     assert not lengths_all_full(full, 9)  # another T, another answer
     with pytest.raises(ValueError, match=r"\[1, T=8\]"):
         lengths_all_full(torch.tensor([8, 9]), 8)
-    memo = LastTensorMemo()
-    assert memo.peek(full, 8) is None  # peek never computes
-    assert memo.get(full, 8, lambda: "read") == "read"
-    assert memo.peek(full, 8) == "read" and memo.peek(full, 7) is None
-    full[0] = 7  # an in-place change: the memo no longer answers for it
-    assert memo.peek(full, 8) is None
+    assert lengths_all_full(full, 8)
+    full[0] = 7  # an in-place change bumps the version: read again
+    assert not lengths_all_full(full, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_lengths_all_full_is_false_under_cuda_graph_capture():
+    """A captured graph may be replayed with other lengths in its static buffer: the op must then
+    take the kernels that read the lengths on the device, and it must not sync while capturing."""
+    from stabilitylab.kernels.triton_support import lengths_all_full
+
+    full = torch.full((2,), 8, device="cuda")
+    assert lengths_all_full(full, 8)  # the memo now holds "full" for this tensor
+    graph, x = torch.cuda.CUDAGraph(), torch.zeros(4, device="cuda")
+    with torch.cuda.graph(graph):
+        x.add_(1)
+        captured = lengths_all_full(full, 8)
+    assert captured is False
