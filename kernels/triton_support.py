@@ -164,7 +164,7 @@ def check_attention_inputs(
     if B == 0 or T == 0:
         raise ValueError(f"empty input: B={B}, T={T}")
     if not torch.compiler.is_compiling():
-        _check_lengths_range(lengths_B, T)
+        _lengths_min_max(lengths_B, T)
 
 
 class LastTensorMemo:
@@ -201,10 +201,6 @@ def _lengths_min_max(lengths_B: torch.Tensor, T: int) -> tuple[int, int]:
         return lo, hi
 
     return _lengths_in_range.get(lengths_B, T, read)
-
-
-def _check_lengths_range(lengths_B: torch.Tensor, T: int) -> None:
-    _lengths_min_max(lengths_B, T)
 
 
 def lengths_all_full(lengths_B: torch.Tensor, T: int) -> bool:
