@@ -19,8 +19,12 @@ so padded rows are skipped; FlexAttention: a block mask that skips padded blocks
 H200 (shared/notes/kernel-levers.md): cuDNN ~445 fwd TFLOPS at hd64, ~600 at hd128.
 
 ``--model-step``: the stress_8k Encoder (12 x 768, hd 64) at T=8192, bf16 autocast, forward +
-masked-LM loss + backward, ``softmax`` vs ``sigmoid-triton`` backends, micro-batch 1 and 2.
-Writes ``attention.csv`` / ``attention.md`` (and ``model_step.*``) under ``--out``.
+masked-LM loss + backward, ``softmax`` vs ``sigmoid-triton`` backends, micro-batch 1 and 2,
+alternating for ``--rounds``.
+Writes ``attention.csv`` / ``attention.md`` and the issue's bars read from them, ``bars.csv`` /
+``bars.md`` (``kernels/bench_report.py``), or ``model_step.csv`` / ``model_step.md``, under
+``--out``. Every shape is timed ``--rounds`` times (default 3), providers interleaved within a
+round; tables show medians over rounds, bars medians of per-round ratios.
 """
 
 from __future__ import annotations
@@ -39,6 +43,13 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stabilitylab.kernels import sigmoid_attention
+from stabilitylab.kernels.bench_report import (
+    bars,
+    bars_markdown,
+    markdown_table,
+    model_step_bar,
+    summary,
+)
 from stabilitylab.kernels.reference import key_mask_BT, sigmoid_attention_reference
 from stabilitylab.kernels.sigmoid_attention import EXACT, TANH_F32, _fwd_op, launch_forward
 
@@ -127,14 +138,14 @@ def provider_fn(name: str, q, k, v, lengths_B) -> Callable[[], torch.Tensor] | N
     raise ValueError(f"unknown provider {name!r}; choose from {PROVIDERS}")
 
 
-def time_provider(name, q, k, v, lengths_B, bwd: bool) -> tuple[float, float]:
-    fwd = provider_fn(name, q, k, v, lengths_B)
+def time_provider(name, fwd, q, k, v) -> tuple[float, float]:
+    """do_bench medians (ms) of ``fwd`` and of its backward; NaN where ``fwd`` is None."""
     if fwd is None:
         return float("nan"), float("nan")
     out = fwd()  # compile / autotune outside the timed region
     ms_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
     ms_b = float("nan")
-    if bwd and name not in LEVER_PROVIDERS:
+    if name not in LEVER_PROVIDERS:
         g = torch.randn_like(out)
         grad = lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
         grad()
@@ -165,39 +176,53 @@ def accuracy_check() -> list[dict]:
     return rows
 
 
+def _report_failure(name, D, T, pad, e: Exception) -> None:
+    print(f"  {name} D={D} T={T} pad={pad}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+
+
 def bench_attention(args) -> pd.DataFrame:
-    """Providers outermost, one CSV row appended per measurement: a cut-off run keeps its rows."""
+    """Shapes outermost, then rounds, then providers: within a round every provider runs on the
+    same inputs one after another, so per-round ratios compare kernels under the same conditions
+    (the H200 runs at its power cap; see docs/BENCHMARKS.md). One CSV row is appended per
+    measurement, so a run cut off keeps its rows."""
     rows, csv = [], os.path.join(args.out, "attention.csv")
     if os.path.exists(csv):
         os.remove(csv)
-    for name in args.providers:
-        for D in args.head_dims:
-            for T in args.seq_lens:
-                for pad in args.paddings:
-                    q, k, v, lengths_B = make_inputs(T, D, pad)
-                    B, H = q.shape[:2]
-                    fl = flops_fwd(H, D, lengths_B.tolist())
-                    try:
-                        ms_f, ms_b = time_provider(name, q, k, v, lengths_B, bwd=True)
-                    except (
-                        Exception
-                    ) as e:  # a baseline that cannot run a shape is a row, not a crash
-                        print(f"  {name} D={D} T={T} pad={pad}: {type(e).__name__}: {str(e)[:160]}")
-                        ms_f = ms_b = float("nan")
-                    row = {
-                        "provider": name, "D": D, "T": T, "B": B, "H": H, "pad": pad,
-                        "fwd_ms": ms_f, "bwd_ms": ms_b,
-                        "fwd_tflops": fl / ms_f * 1e-9, "bwd_tflops": 2.5 * fl / ms_b * 1e-9,
-                    }  # fmt: skip
-                    rows.append(row)
-                    pd.DataFrame([row]).to_csv(csv, mode="a", header=len(rows) == 1, index=False)
-                    print(
-                        f"{name:22s} D={D:3d} T={T:5d} pad={pad:.2f} fwd {row['fwd_tflops']:6.1f}"
-                        f" bwd {row['bwd_tflops']:6.1f} TFLOPS",
-                        flush=True,
-                    )
-                    del q, k, v
-                    torch.cuda.empty_cache()
+    for D in args.head_dims:
+        for T in args.seq_lens:
+            for pad in args.paddings:
+                q, k, v, lengths_B = make_inputs(T, D, pad)
+                B, H = q.shape[:2]
+                fl = flops_fwd(H, D, lengths_B.tolist())
+                fns = {}
+                for name in args.providers:
+                    try:  # flex compiles here, once per shape
+                        fns[name] = provider_fn(name, q, k, v, lengths_B)
+                    except Exception as e:  # a baseline that cannot run a shape is a row
+                        _report_failure(name, D, T, pad, e)
+                        fns[name] = None
+                for rnd in range(args.rounds):
+                    for name in args.providers:
+                        try:
+                            ms_f, ms_b = time_provider(name, fns[name], q, k, v)
+                        except Exception as e:
+                            _report_failure(name, D, T, pad, e)
+                            ms_f = ms_b = float("nan")
+                        row = {
+                            "provider": name, "D": D, "T": T, "B": B, "H": H, "pad": pad,
+                            "round": rnd, "fwd_ms": ms_f, "bwd_ms": ms_b,
+                            "fwd_tflops": fl / ms_f * 1e-9, "bwd_tflops": 2.5 * fl / ms_b * 1e-9,
+                        }  # fmt: skip
+                        rows.append(row)
+                        header = len(rows) == 1
+                        pd.DataFrame([row]).to_csv(csv, mode="a", header=header, index=False)
+                        print(
+                            f"{name:22s} D={D:3d} T={T:5d} pad={pad:.2f} round {rnd} fwd"
+                            f" {row['fwd_tflops']:6.1f} bwd {row['bwd_tflops']:6.1f} TFLOPS",
+                            flush=True,
+                        )
+                del q, k, v, fns
+                torch.cuda.empty_cache()
     return pd.DataFrame(rows)
 
 
@@ -212,6 +237,7 @@ def _time_step(model, tokens, lengths, labels, loss_fn) -> float:
 
 
 def bench_model_step(args) -> pd.DataFrame:
+    """Both backends built once per micro-batch, then timed alternately for ``args.rounds``."""
     from stabilitylab.config import stress_8k
     from stabilitylab.model import Encoder, masked_lm_loss_sum, vocab_size_for
 
@@ -219,36 +245,23 @@ def bench_model_step(args) -> pd.DataFrame:
     T, vocab = 8192, vocab_size_for(cfg.data.n_genes)
     rows = []
     for mb in (1, 2):
+        models = {}
         for backend in ("softmax", "sigmoid-triton"):
             torch.manual_seed(0)
-            model = Encoder(cfg.model, vocab, T, backend).cuda()
-            tokens = torch.randint(3, vocab, (mb, T), device="cuda")
-            lengths = torch.full((mb,), T, device="cuda")
-            labels = torch.where(torch.rand(mb, T, device="cuda") < 0.15, tokens, -100)
-
-            ms = _time_step(model, tokens, lengths, labels, masked_lm_loss_sum)
-            rows.append({"backend": backend, "micro_batch": mb, "T": T, "step_ms": ms})
-            print(f"model step {backend:15s} mb={mb}: {ms:.1f} ms", flush=True)
-            del model
-            torch.cuda.empty_cache()
+            models[backend] = Encoder(cfg.model, vocab, T, backend).cuda()
+        tokens = torch.randint(3, vocab, (mb, T), device="cuda")
+        lengths = torch.full((mb,), T, device="cuda")
+        labels = torch.where(torch.rand(mb, T, device="cuda") < 0.15, tokens, -100)
+        for rnd in range(args.rounds):
+            for backend, model in models.items():
+                ms = _time_step(model, tokens, lengths, labels, masked_lm_loss_sum)
+                rows.append(
+                    {"backend": backend, "micro_batch": mb, "T": T, "round": rnd, "step_ms": ms}
+                )
+                print(f"model step {backend:15s} mb={mb} round {rnd}: {ms:.1f} ms", flush=True)
+        del models
+        torch.cuda.empty_cache()
     return pd.DataFrame(rows)
-
-
-def summary(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per shape, one "fwd / bwd" TFLOPS column per provider."""
-    cell = lambda r: f"{r.fwd_tflops:.0f} / {r.bwd_tflops:.0f}".replace("nan", "-")
-    wide = df.assign(cell=df.apply(cell, axis=1), pad_pct=(df["pad"] * 100).round().astype(int))
-    return wide.pivot_table(
-        index=["D", "T", "pad_pct"], columns="provider", values="cell", aggfunc="first"
-    )[list(dict.fromkeys(df.provider))].reset_index()
-
-
-def markdown_table(df: pd.DataFrame) -> str:
-    """Plain pipe table (no ``tabulate`` dependency); floats to one decimal."""
-    fmt = lambda x: f"{x:.1f}" if isinstance(x, float) else str(x)
-    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
-    lines += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in df.itertuples(index=False)]
-    return "\n".join(lines)
 
 
 def provenance() -> str:
@@ -272,8 +285,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     p.add_argument("--seq-lens", nargs="+", type=int, help="override the T grid")
     p.add_argument("--paddings", nargs="+", type=float, help="override the padding grid")
+    p.add_argument(
+        "--rounds", type=int, default=3,
+        help="times each shape is timed for every provider (interleaved); tables show medians",
+    )  # fmt: skip
     p.add_argument("--out", default=os.environ.get("OUT", "results/bench"))
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     unknown = [name for name in args.providers if name not in PROVIDERS]
     if unknown:
         p.error(f"unknown providers {unknown}; choose from {PROVIDERS}")
@@ -292,10 +311,17 @@ def main(argv: list[str] | None = None) -> None:
         df, name = bench_attention(args), "attention"
     if args.model_step:
         df.to_csv(os.path.join(args.out, f"{name}.csv"), index=False)
-    table = df if args.model_step else summary(df)
+        table = markdown_table(model_step_bar(df))
+    else:
+        table = markdown_table(summary(df))
+        bar_table = bars(df)
+        bar_table.to_csv(os.path.join(args.out, "bars.csv"), index=False)
+        with open(os.path.join(args.out, "bars.md"), "w") as f:
+            f.write(f"{provenance()}, {args.rounds} rounds\n\n{bars_markdown(bar_table)}\n")
+        print(bars_markdown(bar_table))
     with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-        f.write(f"{provenance()}\n\n{markdown_table(table)}\n")
-    print(table.to_string(index=False))
+        f.write(f"{provenance()}\n\n{table}\n")
+    print(table)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,13 @@ from stabilitylab.kernels.triton_support import (
     capability,
     cdiv,
     check_attention_inputs,
+    check_lengths_at_launch,
     compiled,
     interpreted,
     interpreting,
     last_dim_contiguous,
     seq_bucket,
+    specialization,
 )
 
 
@@ -79,7 +81,7 @@ def _configs(cap: tuple[int, int], fp32: bool = False) -> tuple[triton.Config, .
     )
 
 
-_TUNED: dict[tuple[tuple[int, int], bool], object] = {}
+_TUNED: dict[tuple, object] = {}
 
 
 # An opaque ``custom_op`` under torch.compile, as in sigmoid_attention.py (why: docs/LOG.md).
@@ -89,11 +91,14 @@ def _max_abs_logit_op(
 ) -> torch.Tensor:
     q, k = last_dim_contiguous(q), last_dim_contiguous(k)
     B, H, T, D = q.shape
+    check_lengths_at_launch(lengths, T)
     if interpreting():
         launch, blocks, min_bm = interpreted(_max_abs_logit_kernel), INTERPRETER_BLOCKS, 16
     else:
-        key = (capability(q.device), q.dtype == torch.float32)
-        configs = _configs(*key)
+        cap, fp32 = capability(q.device), q.dtype == torch.float32
+        configs = _configs(cap, fp32)
+        strides = (*q.stride()[:3], *k.stride()[:3])
+        key = (cap, fp32, specialization(q, k, lengths, *strides, H, T))  # see specialization
         if key not in _TUNED:
             _TUNED[key] = triton.autotune(configs=list(configs), key=["T_BUCKET", "HEAD_DIM"])(
                 compiled(_max_abs_logit_kernel)

@@ -78,11 +78,14 @@ from stabilitylab.kernels.triton_support import (
     capability,
     cdiv,
     check_attention_inputs,
+    check_lengths_at_launch,
     interpreted,
     interpreting,
     last_dim_contiguous,
     lengths_all_full,
+    persistent_programs,
     seq_bucket,
+    specialization,
 )
 
 EXACT, TANH_F32 = 0, 1
@@ -496,8 +499,9 @@ _DENSE = (_sigmoid_fwd_dense_kernel, _sigmoid_bwd_dq_dense_kernel, _sigmoid_bwd_
 
 
 def _launch(kernel, kind: str, q: torch.Tensor, grid, args: tuple, kwargs: dict) -> None:
-    """Launch ``kernel``: interpreted with one config, or autotuned per architecture and key
-    (T bucket, head dim, levers, dtype) and then launched straight with the config chosen."""
+    """Launch ``kernel``: interpreted with one config, or autotuned per architecture, Triton
+    specialisation of ``args`` (``specialization``) and key (T bucket, head dim, levers, dtype),
+    then launched straight with the config chosen."""
     dense = kernel in _DENSE
     if interpreting():
         if dense:
@@ -506,9 +510,10 @@ def _launch(kernel, kind: str, q: torch.Tensor, grid, args: tuple, kwargs: dict)
         return
     cap, fp32 = capability(q.device), q.dtype == torch.float32
     levers = _LEVERS[kernel]
-    tuned = _TUNED.get((kernel, cap, fp32))
+    which = (kernel, cap, fp32, specialization(*args))
+    tuned = _TUNED.get(which)
     if tuned is None:
-        tuned = _TUNED[(kernel, cap, fp32)] = Tuned(
+        tuned = _TUNED[which] = Tuned(
             kernel, _configs(kind, cap, fp32, dense), ["T_BUCKET", "HEAD_DIM", *levers]
         )
     key = (seq_bucket(q.shape[2]), kwargs["HEAD_DIM"], *[kwargs[n] for n in levers], q.dtype)
@@ -690,8 +695,11 @@ def _forward_dense(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max,
     B, H, T, D = q.shape
     out = _empty_bthd_as_bhtd(q)
     mx, n_mx = _max_buffer(q, return_max)
-    grid = lambda meta: (cdiv(T, meta["BLOCK_M"]), B * H)
-    args = (out, mx, lengths, *out.stride()[:3], H, T, seq_bucket(T), n_mx, scale, bias)
+    # Persistent: one program per SM, each looping over query tiles (session 10: +2% to +6% over
+    # one program per tile at T = 16K / 4K, hd 128; docs/BENCHMARKS.md).
+    n_prog = persistent_programs(q.device)
+    grid = lambda meta: (min(n_prog, cdiv(T, meta["BLOCK_M"]) * B * H),)
+    args = (out, mx, lengths, *out.stride()[:3], H, T, seq_bucket(T), n_mx, scale, bias, B * H)
     kwargs = {
         "RETURN_MAX": return_max,
         **descriptors(Q=q, K=k, V=v),
@@ -712,8 +720,7 @@ def _backward_dense(do, q, k, v, lengths, scale, bias, log_bias, sigmoid):
     args = (dq, lengths, *dq.stride()[:3], H, T, seq_bucket(T), scale, bias)
     grid = lambda meta: (cdiv(T, meta["BLOCK_M"]), B * H)
     _launch(_sigmoid_bwd_dq_dense_kernel, "dq", q, grid, args, {**common, **desc})
-    # Fresh descriptors: the pre-hook sets each one's block to its own kernel's config.
-    desc = descriptors(Q=q, K=k, V=v, DO=do)
+    # The same descriptors: each launch encodes them with the block its config's pre-hook sets.
     dk, dv = _empty_bthd_as_bhtd(k), _empty_bthd_as_bhtd(v)
     args = (dk, dv, lengths, *dk.stride()[:3], *dv.stride()[:3], H, T, seq_bucket(T), scale, bias)
     grid = lambda meta: (cdiv(T, meta["BLOCK_N"]), B * H)
@@ -734,6 +741,7 @@ def forward_auto(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max):
     """The forward with the op's choice: an unpadded batch to the dense kernel (``use_dense``; q
     in registers at head dim 128); else TMA from T = 4096 where possible, lookahead, q in
     registers with TMA at head dim 128, ``FWD_Q_TILES`` query tiles per program."""
+    check_lengths_at_launch(lengths, q.shape[2])
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     if use_dense(lengths, q, k, v):
         return _forward_dense(
@@ -825,6 +833,7 @@ def backward_auto(do, q, k, v, lengths, scale, bias, log_bias, sigmoid):
     """The backward with the op's choice: an unpadded batch to the dense kernels (``use_dense``),
     else ``BWD_LEVERS`` (TMA from T = TMA_MIN_T only)."""
     do, q, k, v = (last_dim_contiguous(t) for t in (do, q, k, v))
+    check_lengths_at_launch(lengths, q.shape[2])
     if use_dense(lengths, q, k, v, do):
         return _backward_dense(do, q, k, v, lengths, scale, bias, log_bias, sigmoid)
     tma = use_tma(q, k, v, do)

@@ -51,59 +51,64 @@ def set_blocks(nargs: dict) -> None:
 
 @triton.jit
 def _sigmoid_fwd_dense_kernel(
-    Out, MX, LENS, sob, soh, sot, H, T, T_BUCKET, mx_stride, scale, bias,
+    Out, MX, LENS, sob, soh, sot, H, T, T_BUCKET, mx_stride, scale, bias, BH,
     Q_d, K_d, V_d,
     HEAD_DIM: tl.constexpr, LOG_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
     RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr, A_REGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    L = tl.load(LENS + b).to(tl.int32)  # == T; read for the bias only
-    start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    bias_b = -tl.log(L.to(tl.float32)) if LOG_BIAS else bias
-    if SIGMOID == 0:
-        a_s = scale
-        c_s = bias_b
-    else:  # tanh(x/2): the 1/2 folded into the per-score multiply-add
-        a_s = 0.5 * scale
-        c_s = 0.5 * bias_b
-    q = Q_d.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
-    if A_REGS:  # q through an opaque move: the q k^T wgmma reads q from registers
-        q = tl.inline_asm_elementwise(
-            "mov.b32 $0, $1;", "=r,r", [q], dtype=q.dtype, is_pure=True,
-            pack=32 // q.dtype.primitive_bitwidth,
-        )  # fmt: skip
-    k0 = K_d.load([b, h, 0, 0]).reshape(BLOCK_N, HEAD_DIM)
-    qk = tl.dot(q, tl.trans(k0), input_precision=DOT_PRECISION)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    mx = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for start_n in range(0, T, BLOCK_N):
-        # The scores of key tile j+1 are issued before the sigmoid of tile j; past T the
-        # descriptor reads zeros (and the last look-ahead's scores are discarded).
-        k = K_d.load([b, h, start_n + BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
-        v = V_d.load([b, h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-        qk_now = qk
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if RETURN_MAX:  # rows and keys past T score 0: they never raise the max
-            mx = tl.maximum(mx, tl.max(tl.abs(qk_now), axis=1))
-        x = qk_now * a_s + c_s
+    # Persistent: each program takes query tiles round-robin, tile = pid_bh * n_m + pid_m, so the
+    # programs in flight share a few heads' keys in L2, and no program is launched per tile.
+    n_m = tl.cdiv(T, BLOCK_M)
+    for tile in tl.range(tl.program_id(0), n_m * BH, tl.num_programs(0)):
+        pid_bh = tile // n_m
+        pid_m = tile - pid_bh * n_m
+        b = pid_bh // H
+        h = pid_bh % H
+        L = tl.load(LENS + b).to(tl.int32)  # == T; read for the bias only
+        start_m = pid_m * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        bias_b = -tl.log(L.to(tl.float32)) if LOG_BIAS else bias
         if SIGMOID == 0:
-            p = (1.0 / (1.0 + tl.exp(-x))).to(v.dtype)
-        else:
-            t = tl.inline_asm_elementwise(
-                "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
-            )
-            p = (0.5 * t + 0.5).to(v.dtype)
-        acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)  # keys past T: v = 0
-    tl.store(Out + b.to(tl.int64) * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :],
-             acc.to(Out.dtype.element_ty), mask=offs_m[:, None] < T)  # fmt: skip
-    if RETURN_MAX:
-        tl.store(MX + pid_bh.to(tl.int64) * mx_stride + pid_m, tl.max(mx, axis=0) * scale)
+            a_s = scale
+            c_s = bias_b
+        else:  # tanh(x/2): the 1/2 folded into the per-score multiply-add
+            a_s = 0.5 * scale
+            c_s = 0.5 * bias_b
+        q = Q_d.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+        if A_REGS:  # q through an opaque move: the q k^T wgmma reads q from registers
+            q = tl.inline_asm_elementwise(
+                "mov.b32 $0, $1;", "=r,r", [q], dtype=q.dtype, is_pure=True,
+                pack=32 // q.dtype.primitive_bitwidth,
+            )  # fmt: skip
+        k0 = K_d.load([b, h, 0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        qk = tl.dot(q, tl.trans(k0), input_precision=DOT_PRECISION)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+        mx = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for start_n in range(0, T, BLOCK_N):
+            # The scores of key tile j+1 are issued before the sigmoid of tile j; past T the
+            # descriptor reads zeros (and the last look-ahead's scores are discarded).
+            k = K_d.load([b, h, start_n + BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
+            v = V_d.load([b, h, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+            qk_now = qk
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if RETURN_MAX:  # rows and keys past T score 0: they never raise the max
+                mx = tl.maximum(mx, tl.max(tl.abs(qk_now), axis=1))
+            x = qk_now * a_s + c_s
+            if SIGMOID == 0:
+                p = (1.0 / (1.0 + tl.exp(-x))).to(v.dtype)
+            else:
+                t = tl.inline_asm_elementwise(
+                    "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                    pack=1,
+                )  # fmt: skip
+                p = (0.5 * t + 0.5).to(v.dtype)
+            acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)  # keys past T: v = 0
+        tl.store(Out + b.to(tl.int64) * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :],
+                 acc.to(Out.dtype.element_ty), mask=offs_m[:, None] < T)  # fmt: skip
+        if RETURN_MAX:
+            tl.store(MX + pid_bh.to(tl.int64) * mx_stride + pid_m, tl.max(mx, axis=0) * scale)
 
 
 @triton.jit

@@ -2,8 +2,10 @@
 
 Triton decides between compiling and interpreting when ``@triton.jit`` runs, i.e. at import, from
 ``TRITON_INTERPRET``. The launchers here re-decide at every call instead: the same raw function is
-wrapped as an ``InterpretedFunction`` when ``TRITON_INTERPRET=1`` is set *now*, so one process can
-run the CPU-interpreted and the compiled kernel side by side (tests parametrize the device).
+wrapped as an ``InterpretedFunction`` when ``TRITON_INTERPRET=1`` is set *now*. The interpreter
+still needs ``TRITON_INTERPRET=1`` from before triton's import (``interpreter_available``: Triton's
+own jit helpers are built then); tests on a GPU host run the interpreter cases in a process of
+their own (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import weakref
 
 import torch
 import triton
+import triton.language as tl
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -23,6 +26,16 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def interpreting() -> bool:
     """Read at call time, never cached: tests flip it inside one process."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def interpreter_available() -> bool:
+    """Whether Triton's CPU interpreter can run kernels in this process. Only if
+    ``TRITON_INTERPRET=1`` was set before triton was imported: Triton builds its own jit helpers
+    (``tl.max``, ``tl.cdiv``, ...) once, at import, as interpreter or compiled functions, and an
+    interpreted kernel cannot call compiled ones."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.max, InterpretedFunction)
 
 
 @functools.cache
@@ -55,6 +68,32 @@ def seq_bucket(T: int) -> int:
     """Autotune key for the sequence length: next power of two, so nearby T share a config."""
     # Plain int arithmetic: triton.next_power_of_2 costs ~3 us per host call (triton 3.9, CPU).
     return 1 << (max(int(T), 16) - 1).bit_length()
+
+
+def specialization(*values) -> tuple:
+    """What Triton compiles a kernel for beyond the autotune key: per pointer, whether it is
+    16-byte aligned; per integer, whether it is 1 or divisible by 16 (its JIT specialises on
+    both). A config chosen under one specialisation may not run under another: on the H200 a
+    forward config tuned on aligned inputs asked for 262,144 bytes of shared memory (232,448
+    allowed) on inputs with a row stride of 129 (session 10), so each specialisation is
+    autotuned on its own."""
+    spec = []
+    for x in values:  # on every launch: type tests first (~5 us for 24 values on the CI CPU)
+        kind = type(x)
+        if kind is int:
+            spec.append(1 if x == 1 else 16 if not x & 15 else 0)
+        elif kind is not float and kind is not bool and isinstance(x, torch.Tensor):
+            spec.append(not x.data_ptr() & 15)
+    return tuple(spec)
+
+
+@functools.cache
+def persistent_programs(device: torch.device) -> int:
+    """Programs of a persistent kernel: one per SM on a GPU; three in the interpreter, so that
+    each program loops over several tiles there too."""
+    if device.type != "cuda":
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache  # on every launch; torch's lookup costs ~10 us of host time
@@ -113,7 +152,7 @@ def check_attention_inputs(
     Checks rank, matching shapes, head dim, dtypes, devices, CPU-without-interpreter, scale,
     bias, and the lengths' shape, dtype and range [1, T]. The range check costs one device sync
     per new lengths tensor; it is skipped while ``torch.compile`` traces (a data-dependent branch
-    breaks the graph).
+    breaks the graph), and made again at launch (``check_lengths_at_launch``).
     """
     first_name, first = next(iter(named.items()))
     for name, t in named.items():
@@ -140,6 +179,11 @@ def check_attention_inputs(
         raise ValueError(
             "inputs are CPU tensors but TRITON_INTERPRET is not '1'; move them to CUDA or set "
             "TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter"
+        )
+    if first.device.type == "cpu" and not interpreter_available():
+        raise ValueError(
+            "inputs are CPU tensors and TRITON_INTERPRET=1, but it was set after triton was "
+            "imported, so Triton's CPU interpreter cannot run here; set it before starting Python"
         )
     if first.device.type not in ("cpu", "cuda"):
         raise ValueError(
@@ -201,6 +245,16 @@ def _lengths_min_max(lengths_B: torch.Tensor, T: int) -> tuple[int, int]:
         return lo, hi
 
     return _lengths_in_range.get(lengths_B, T, read)
+
+
+def check_lengths_at_launch(lengths_B: torch.Tensor, T: int) -> None:
+    """The lengths' range check again where the kernels are launched, for calls whose validation
+    skipped it (``torch.compile`` traces without it; the compiled graph then calls the op with
+    any lengths). From the memo: free when validation has just read the same tensor, else one
+    sync. Not while a CUDA graph is captured: a sync is an error there."""
+    if lengths_B.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    _lengths_min_max(lengths_B, T)
 
 
 def lengths_all_full(lengths_B: torch.Tensor, T: int) -> bool:

@@ -1,8 +1,10 @@
 """Test-wide setup.
 
 Without CUDA, Triton kernels run in its CPU interpreter. ``triton.jit`` chooses interpreter or
-compiler when a kernel is defined, so the switch must be set before any kernel module is imported:
-here, before collection.
+compiler when a kernel is defined, so the switch must be set before triton is imported: here,
+before collection. On a GPU host it stays off (the compiled kernels are under test), and the
+tests that need the interpreter (marked ``interpreter``, and the ``cpu`` cases of the kernel
+tests) are skipped with the command that runs them: ``TRITON_INTERPRET=1 pytest -m "not gpu"``.
 """
 
 import os
@@ -13,11 +15,25 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from stabilitylab.kernels.triton_support import interpreter_available  # noqa: E402  (after it)
+
+
+def needs_interpreter(item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return "interpreter" in item.keywords or (
+        callspec is not None and callspec.params.get("device") == "cpu"
+    )
+
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    cuda, interpreter = torch.cuda.is_available(), interpreter_available()
+    no_cuda = pytest.mark.skip(reason="needs CUDA")
+    no_interpreter = pytest.mark.skip(
+        reason="needs Triton's CPU interpreter, which needs TRITON_INTERPRET=1 before triton is "
+        'imported: run TRITON_INTERPRET=1 pytest -m "not gpu"'
+    )
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(no_cuda)
+        elif not interpreter and needs_interpreter(item):
+            item.add_marker(no_interpreter)

@@ -8,6 +8,10 @@ import torch
 from stabilitylab.attention import available, get_backend, max_abs_logit
 from stabilitylab.kernels.reference import key_mask_BT
 
+# sigmoid-triton on CPU tensors: Triton's interpreter (tests/conftest.py)
+BACKENDS = [pytest.param(n, marks=pytest.mark.interpreter) if n == "sigmoid-triton" else n
+            for n in available()]  # fmt: skip
+
 
 def softmax_reference_f64(q, k, v, lengths):
     q, k, v = q.double(), k.double(), v.double()
@@ -39,7 +43,7 @@ def _inputs(B, H, T, D, lengths, dtype, seed):
     return mk(), mk(), mk(), torch.tensor(lengths)
 
 
-@pytest.mark.parametrize("name", available())
+@pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("bias", [None, -1.5])
 def test_backend_matches_float64_reference_with_padding(name, bias):
     seed = torch.randint(0, 2**31, ()).item()
@@ -60,7 +64,7 @@ def test_backend_matches_float64_reference_with_padding(name, bias):
     torch.testing.assert_close(stats.double(), exact, atol=1e-4, rtol=1e-5, msg=f"seed {seed}")
 
 
-@pytest.mark.parametrize("name", available())
+@pytest.mark.parametrize("name", BACKENDS)
 def test_padded_keys_contribute_nothing(name):
     q, k, v, lengths = _inputs(1, 2, 16, 64, [9], torch.float32, 1)
     out1, _ = get_backend(name)(q, k, v, lengths)
@@ -85,7 +89,9 @@ def test_softmax_full_length_answer_follows_in_place_changes():
     assert (padded[1, :, 7:] == 0).all()
 
 
-@pytest.mark.parametrize("name", ["softmax", "sigmoid-triton"])
+@pytest.mark.parametrize(
+    "name", ["softmax", pytest.param("sigmoid-triton", marks=pytest.mark.interpreter)]
+)
 def test_backends_run_under_inference_mode(name, monkeypatch):
     """Inference tensors carry no version counter: the lengths caches must not ask for one."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # sigmoid-triton on CPU: the interpreter

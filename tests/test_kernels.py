@@ -194,6 +194,7 @@ BAD = {
 }
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("bad", sorted(BAD))
 def test_value_errors(bad, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -205,6 +206,7 @@ def test_value_errors(bad, monkeypatch):
         max_abs_logit(args[0], args[1], args[3])
 
 
+@pytest.mark.interpreter
 def test_lengths_rechecked_after_in_place_change(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q = torch.randn(2, 1, 16, 64)
@@ -236,7 +238,8 @@ def test_device_mismatch_cuda(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "backend", ["aot_eager", pytest.param("inductor", marks=gpu)]
+    "backend",
+    [pytest.param("aot_eager", marks=pytest.mark.interpreter), pytest.param("inductor", marks=gpu)],
 )  # aot_eager: CPU (interpreter) check of graph capture, fake shapes/strides and the autograd path
 def test_torch_compile_fullgraph_no_break(backend, monkeypatch):
     """fullgraph=True raises on any graph break. The ops are opaque custom ops, so the compiled
@@ -272,6 +275,26 @@ def test_torch_compile_fullgraph_no_break(backend, monkeypatch):
     max_ref = max_abs_logit_reference(q.double(), k.double(), lengths_B)
     torch.testing.assert_close(max_BH.double(), max_ref.double(), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(max2_BH.double(), max_ref.double(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.interpreter
+def test_lengths_out_of_range_raise_under_torch_compile(monkeypatch):
+    """torch.compile traces without the lengths' range check (a data-dependent branch), so the
+    compiled graph would hand the kernels any lengths: past T they read past the buffers. The op
+    checks them again at launch."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch._dynamo.reset()
+    q = torch.randn(2, 1, 37, 64)
+
+    def attention(q, lengths_B):
+        return sigmoid_attention(q, q, q, lengths_B, return_max_logit=True)
+
+    for fn in (attention, lambda q, lengths_B: max_abs_logit(q, q, lengths_B)):
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        compiled(q, torch.tensor([37, 19]))
+        for bad in ([37, 0], [37, 5000]):
+            with pytest.raises(ValueError, match=r"lengths_B must lie in \[1, T=37\]"):
+                compiled(q, torch.tensor(bad))
 
 
 def _lever_cases(device, dtype):
@@ -400,6 +423,7 @@ def test_custom_op_path_equals_the_eager_function(device):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
+@pytest.mark.interpreter
 def test_tma_refuses_unaligned_strides_and_the_op_falls_back(monkeypatch):
     import importlib
 
@@ -434,6 +458,40 @@ def test_autotune_choices_name_kernel_key_and_config():
     assert list(got) == ["_sigmoid_fwd_kernel[8192, 64]"]
     assert "BLOCK_M: 128" in got["_sigmoid_fwd_kernel[8192, 64]"]
     assert "num_warps: 8" in got["_sigmoid_fwd_kernel[8192, 64]"]
+
+
+def test_each_specialisation_is_autotuned_on_its_own(monkeypatch):
+    """A config tuned on aligned inputs is never launched on unaligned ones: on the H200 such a
+    forward config ran out of shared memory (session 10). The op keeps one autotuner per Triton
+    specialisation of the launch arguments."""
+    import importlib
+
+    from stabilitylab.kernels.triton_support import specialization
+
+    sa = importlib.import_module("stabilitylab.kernels.sigmoid_attention")  # the module
+
+    x = torch.zeros(64, dtype=torch.float16)
+    assert specialization(x, x[1:], 1, 32, 129, True, 0.5) == (True, False, 1, 16, 0)
+
+    made = []
+
+    class FakeTuned:
+        def __init__(self, kernel, configs, key_names):
+            self.keys = []
+            made.append(self)
+
+        def launch(self, grid, key, *args, **kwargs):
+            self.keys.append(key)
+
+    monkeypatch.setattr(sa, "Tuned", FakeTuned)
+    monkeypatch.setattr(sa, "_TUNED", {})
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = torch.zeros(1, 1, 64, 64, dtype=torch.float16)
+    levers = dict(HEAD_DIM=64, TMA=False, LOOKAHEAD=True, SIGMOID=1, A_REGS=False, Q_TILES=1)
+    for stride in (64, 64, 129):  # a row stride of 129 values: another specialisation
+        sa._launch(sa._sigmoid_fwd_kernel, "fwd", q, (1,), (q, stride, 64), levers)
+    assert [len(t.keys) for t in made] == [2, 1]
+    assert made[0].keys[0] == made[1].keys[0]  # the same autotune key, tuned twice
 
 
 def test_tuned_autotunes_once_per_key_then_launches_straight():

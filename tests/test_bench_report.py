@@ -1,0 +1,104 @@
+"""The benchmark's tables and bars, from synthetic rows (no GPU)."""
+
+import math
+
+import pandas as pd
+import pytest
+
+from stabilitylab.kernels.bench_report import bars, bars_markdown, model_step_bar, summary
+
+
+def rows(provider, D, T, pad, fwd, bwd):
+    """One row per round: ``fwd`` and ``bwd`` are per-round TFLOPS lists."""
+    return [
+        {"provider": provider, "D": D, "T": T, "pad": pad, "round": r,
+         "fwd_tflops": f, "bwd_tflops": b}
+        for r, (f, b) in enumerate(zip(fwd, bwd, strict=True))
+    ]  # fmt: skip
+
+
+def bar(table, name, D, T):
+    hit = table[(table.bar == name) & (table.D == D) & (table["T"] == T)]
+    assert len(hit) == 1, (name, D, T, table)
+    return hit.iloc[0]
+
+
+def test_bars_are_medians_of_ratios_paired_by_round():
+    df = pd.DataFrame(
+        rows("sigmoid-triton", 64, 4096, 0.0, [100, 200, 300], [50, 50, 50])
+        + rows("cudnn", 64, 4096, 0.0, [90, 210, 310], [40, 60, 45])
+    )
+    table = bars(df)
+    fwd = bar(table, "fwd vs cudnn", 64, 4096)
+    # per round 100/90, 200/210, 300/310: the median is the third, not a ratio of medians
+    assert fwd["median"] == pytest.approx(300 / 310)
+    assert fwd["low"] == pytest.approx(200 / 210) and fwd["high"] == pytest.approx(100 / 90)
+    assert (fwd["rounds"], fwd["rounds_passing"], fwd["status"]) == (3, 1, "not met")
+    bwd = bar(table, "bwd vs cudnn", 64, 4096)
+    assert bwd["median"] == pytest.approx(50 / 45)
+    assert (bwd["rounds_passing"], bwd["status"]) == (2, "tie")  # the median passes, one round not
+
+
+def test_padding_bar_is_padded_over_unpadded_within_ten_percent():
+    df = pd.DataFrame(
+        rows("sigmoid-triton", 128, 8192, 0.0, [100, 100], [100, 100])
+        + rows("sigmoid-triton", 128, 8192, 0.25, [95, 91], [85, 89])
+    )
+    table = bars(df)
+    assert not (table.bar == "fwd vs cudnn").any()  # no cuDNN rows: that bar is left out
+    fwd, bwd = bar(table, "fwd 25% pad", 128, 8192), bar(table, "bwd 25% pad", 128, 8192)
+    assert fwd["median"] == pytest.approx(0.93) and fwd["status"] == "met"
+    assert bwd["median"] == pytest.approx(0.87) and bwd["status"] == "not met"
+
+
+def test_bars_skip_short_sequences_and_report_missing_rounds():
+    df = pd.DataFrame(
+        rows("sigmoid-triton", 64, 2048, 0.0, [100], [100])
+        + rows("cudnn", 64, 2048, 0.0, [200], [200])
+        + rows("sigmoid-triton", 64, 16384, 0.0, [100, 100], [100, 100])
+        + rows("cudnn", 64, 16384, 0.0, [float("nan"), float("nan")], [80, 90])
+    )
+    table = bars(df)
+    assert set(table["T"]) == {16384}
+    fwd = bar(table, "fwd vs cudnn", 64, 16384)
+    assert fwd["status"] == "no data" and fwd["rounds"] == 0
+    assert bar(table, "bwd vs cudnn", 64, 16384)["status"] == "met"
+    md = bars_markdown(table)
+    assert "| fwd vs cudnn | 64 | 16384 | - |" in md
+    assert f"{((100 / 80 + 100 / 90) / 2 - 1) * 100:+.1f}%" in md  # median of two rounds
+
+
+def test_summary_cells_are_medians_over_rounds():
+    df = pd.DataFrame(
+        rows("sigmoid-triton", 64, 4096, 0.25, [10, 30, 20], [1, 3, 2])
+        + rows("flash", 64, 4096, 0.25, [float("nan")] * 3, [float("nan")] * 3)
+    )
+    table = summary(df)
+    assert list(table.columns) == ["D", "T", "pad_pct", "sigmoid-triton", "flash"]
+    assert table.iloc[0]["sigmoid-triton"] == "20 / 2"
+    assert table.iloc[0]["flash"] == "- / -" and table.iloc[0]["pad_pct"] == 25
+
+
+def test_model_step_bar_pairs_backends_by_round():
+    df = pd.DataFrame(
+        [{"backend": b, "micro_batch": 1, "round": r, "step_ms": ms}
+         for r, (soft, sig) in enumerate([(55.0, 50.0), (54.0, 56.0), (56.0, 53.0)])
+         for b, ms in (("softmax", soft), ("sigmoid-triton", sig))]
+    )  # fmt: skip
+    row = model_step_bar(df).iloc[0]
+    assert row["softmax_ms"] == 55.0 and row["sigmoid_triton_ms"] == 53.0
+    # per round 50/55, 56/54, 53/56: the median is the third
+    assert row["change_pct_median"] == pytest.approx((53 / 56 - 1) * 100)
+    assert row["change_pct_high"] == pytest.approx((56 / 54 - 1) * 100)
+    assert row["status"] == "tie"  # faster in the median, slower in round 1
+    assert model_step_bar(df[df["round"] != 1]).iloc[0]["status"] == "met"
+    slower = df.assign(step_ms=df.step_ms.where(df.backend == "softmax", 60.0))
+    assert model_step_bar(slower).iloc[0]["status"] == "not met"
+    assert not math.isnan(model_step_bar(slower).iloc[0]["change_pct_low"])
+
+
+def test_bench_attention_rejects_zero_rounds():
+    from stabilitylab.kernels import bench_attention
+
+    with pytest.raises(SystemExit):
+        bench_attention.main(["--rounds", "0"])
