@@ -738,12 +738,14 @@ def use_a_regs(q: torch.Tensor, tma: bool) -> bool:
 
 
 def forward_auto(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max):
-    """The forward with the op's choice: an unpadded batch to the dense kernel (``use_dense``; q
-    in registers at head dim 128); else TMA from T = 4096 where possible, lookahead, q in
+    """The forward with the op's choice: an unpadded batch in the fast sigmoid mode to the dense
+    kernel (``use_dense``; q in registers at head dim 128); else TMA from T = 4096 where possible, lookahead, q in
     registers with TMA at head dim 128, ``FWD_Q_TILES`` query tiles per program."""
     check_lengths_at_launch(lengths, q.shape[2])
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    if use_dense(lengths, q, k, v):
+    # The exact sigmoid keeps the general forward: persistent, its dense twin ran 7% slower
+    # (session 10, hd 128, T = 4K-16K; docs/BENCHMARKS.md).
+    if sigmoid != EXACT and use_dense(lengths, q, k, v):
         return _forward_dense(
             q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, use_a_regs(q, True)
         )

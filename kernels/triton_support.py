@@ -200,10 +200,12 @@ def check_attention_inputs(
             f"device mismatch: {first_name} {first.device} vs lengths_B {lengths_B.device}"
         )
     if scale is not None and not (
-        isinstance(scale, (int, float)) and scale > 0 and scale < float("inf")
+        isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < float("inf")
     ):
         raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
-    if bias is not None and not math.isfinite(float(bias)):
+    if bias is not None and (
+        isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias)
+    ):
         raise ValueError(f"bias must be a finite float or None, got {bias!r}")
     if B == 0 or T == 0:
         raise ValueError(f"empty input: B={B}, T={T}")

@@ -15,7 +15,7 @@ Every backend is called as::
 Backends: ``softmax`` (PyTorch SDPA with a key-padding mask: the machine's best fused kernel
 serves), ``softmax-reference`` and ``sigmoid-reference`` (plain PyTorch, n x n: slow, but
 reproducible bit for bit on a GPU, which SDPA's backward is not), ``sigmoid-triton``
-(stabilitylab.kernels).
+(stabilitylab.kernels) and ``sigmoid-triton-exact`` (the same with the exact sigmoid).
 """
 
 from __future__ import annotations
@@ -116,3 +116,17 @@ def sigmoid_triton(q_BHTD, k_BHTD, v_BHTD, lengths_B, *, sigmoid_bias=None, retu
     return sigmoid_attention(
         q_BHTD, k_BHTD, v_BHTD, lengths_B, bias=sigmoid_bias, return_max_logit=return_max_logit
     )
+
+
+@register("sigmoid-triton-exact")
+def sigmoid_triton_exact(
+    q_BHTD, k_BHTD, v_BHTD, lengths_B, *, sigmoid_bias=None, return_max_logit=False
+):
+    """``sigmoid-triton`` with the exact sigmoid ``1 / (1 + exp(-x))`` in place of the fast
+    ``tanh.approx.f32`` one: to check that the approximation does not change a run's fate."""
+    from stabilitylab.kernels import sigmoid_attention
+
+    return sigmoid_attention(
+        q_BHTD, k_BHTD, v_BHTD, lengths_B, bias=sigmoid_bias, return_max_logit=return_max_logit,
+        exact=True,
+    )  # fmt: skip

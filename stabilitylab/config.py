@@ -194,8 +194,11 @@ class Config:
     """Run name: runs go to <out_dir>/<name>/<arm>/."""
     out_dir: str = "runs"
     arm: Literal["both", "softmax", "sigmoid"] = "both"
-    sigmoid_backend: Literal["auto", "sigmoid-reference", "sigmoid-triton"] = "auto"
-    """auto: sigmoid-triton on CUDA, sigmoid-reference on CPU."""
+    sigmoid_backend: Literal[
+        "auto", "sigmoid-reference", "sigmoid-triton", "sigmoid-triton-exact"
+    ] = "auto"
+    """auto: sigmoid-triton on CUDA, sigmoid-reference on CPU. sigmoid-triton-exact: the kernel
+    with the exact sigmoid instead of the fast tanh.approx one."""
     softmax_backend: Literal["softmax", "softmax-reference"] = "softmax"
     """softmax: PyTorch SDPA (fast; its GPU backward is not bit-reproducible run to run);
     softmax-reference: eager n x n (reproducible)."""

@@ -9,7 +9,7 @@ from stabilitylab.attention import available, get_backend, max_abs_logit
 from stabilitylab.kernels.reference import key_mask_BT
 
 # sigmoid-triton on CPU tensors: Triton's interpreter (tests/conftest.py)
-BACKENDS = [pytest.param(n, marks=pytest.mark.interpreter) if n == "sigmoid-triton" else n
+BACKENDS = [pytest.param(n, marks=pytest.mark.interpreter) if n.startswith("sigmoid-triton") else n
             for n in available()]  # fmt: skip
 
 
@@ -148,3 +148,19 @@ def test_compiled_model_with_sigmoid_triton_matches_eager():
     assert torch.isfinite(l_c) and torch.isfinite(g_c).all()
     assert abs(l_c - l_e) <= 1e-2 * abs(l_e)
     assert (g_c - g_e).norm() <= 3e-2 * g_e.norm()
+
+
+def test_exact_backend_asks_the_kernel_for_the_exact_sigmoid(monkeypatch):
+    import stabilitylab.kernels as kernels
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("exact", False))
+        return args[0], None
+
+    monkeypatch.setattr(kernels, "sigmoid_attention", spy)
+    q, k, v, lengths = _inputs(1, 1, 8, 64, [8], torch.float32, 0)
+    get_backend("sigmoid-triton")(q, k, v, lengths)
+    get_backend("sigmoid-triton-exact")(q, k, v, lengths)
+    assert seen == [False, True]

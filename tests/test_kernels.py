@@ -135,15 +135,36 @@ def _check_against_reference(device, dtype, D, T, lengths, exact, gen, where):
 
 
 def test_bias_scale_and_no_max(device):
+    """A given scale and bias, forward and backward (the backward's fixed-bias path)."""
     gen = _generator(device)
     T, lengths = SHAPES[device]["odd"]
     (q, k, v), (qn, kn, vn), lengths_B = _inputs(2, 1, T, 64, lengths, torch.float32, device, gen)
-    out, max_BH = sigmoid_attention(qn, kn, vn, lengths_B, scale=0.3, bias=-2.0)
+    g = torch.randn(2, 1, T, 64, generator=gen, device=device)
+    g = g * key_mask_BT(lengths_B, T)[:, None, :, None]
+    leaves = [t.detach().requires_grad_() for t in (qn, kn, vn)]
+    out, max_BH = sigmoid_attention(*leaves, lengths_B, scale=0.3, bias=-2.0)
     assert max_BH is None
-    ref = sigmoid_attention_reference(q.double(), k.double(), v.double(), lengths_B, 0.3, -2.0)
-    assert _err(out, ref) <= 1e-4
-    default_bias = sigmoid_attention_reference(q.double(), k.double(), v.double(), lengths_B, 0.3)
+    grads = torch.autograd.grad(out, leaves, g)
+    kw = {"scale": 0.3, "bias": -2.0}
+    ref, grads64 = _ref_grads(q.double(), k.double(), v.double(), lengths_B, g, **kw)
+    out_t, grads_t = _ref_grads(q, k, v, lengths_B, g, **kw)
+    assert _err(out, ref) <= 2 * _err(out_t, ref) + ATOL[torch.float32]
+    for name, a, t_, r in zip("qkv", grads, grads_t, grads64, strict=True):
+        assert _err(a, r) <= 3 * _err(t_, r) + ATOL[torch.float32], f"d{name}"
+    default_bias, default_grads = _ref_grads(
+        q.double(), k.double(), v.double(), lengths_B, g, scale=0.3
+    )
     assert _err(default_bias, ref) > 1e-2, "test must be able to tell the bias apart"
+    assert _err(default_grads[0], grads64[0]) > 1e-2, "and the bias's gradients"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kw", [{"scale": True}, {"bias": True}, {"scale": 0.0}])
+def test_bool_or_zero_scale_and_bool_bias_are_refused(kw, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, L = _bad_inputs("cpu")
+    with pytest.raises(ValueError, match="scale must be|bias must be"):
+        sigmoid_attention(q, q, q, L, **kw)
 
 
 def test_strided_views_equal_contiguous(device):
@@ -172,6 +193,13 @@ def test_max_abs_logit_matches_reference(device, D):
     torch.testing.assert_close(
         got_scaled.double(), ref.double() * 0.5 * D**0.5, rtol=1e-4, atol=1e-5
     )
+    # The softmax arm's standalone reduction and the sigmoid forward's fused max are one quantity.
+    v = torch.zeros_like(qn)
+    _, fused = sigmoid_attention(qn, kn, v, lengths_B, return_max_logit=True)
+    if device == "cpu":
+        assert torch.equal(fused, got)
+    else:  # each kernel autotuned with its own tiles
+        torch.testing.assert_close(fused, got, rtol=1e-5, atol=1e-6)
 
 
 def _bad_inputs(device):
@@ -622,7 +650,13 @@ def test_unpadded_batches_take_the_dense_kernels_with_the_same_results(device, m
         lengths = [T, T]
         _, (q, k, v), lengths_B = _inputs(2, 2, T, D, lengths, dtype, device, gen)
         g = torch.randn(q.shape, generator=gen, device=device).to(dtype)
-        args = (lengths_B, 1 / math.sqrt(D), 0.0, True, 1 if device == "cuda" else 0)
+        args = (
+            lengths_B,
+            1 / math.sqrt(D),
+            0.0,
+            True,
+            1,
+        )  # the fast mode (exact in the interpreter)
         assert sa.use_dense(lengths_B, q, k, v, g) is (D == 128)
         monkeypatch.setattr(sa, "DENSE_HEAD_DIMS", (D,))  # run the dense kernels at both
         launched.clear()
@@ -643,6 +677,12 @@ def test_unpadded_batches_take_the_dense_kernels_with_the_same_results(device, m
                 assert torch.equal(a, b), D
             else:
                 torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+        # The exact sigmoid's forward keeps the general kernel (persistent, it was 7% slower).
+        launched.clear()
+        monkeypatch.setattr(sa, "DENSE_HEAD_DIMS", (D,))
+        sa.forward_auto(q, k, v, *args[:-1], sa.EXACT, False)
+        monkeypatch.setattr(sa, "DENSE_HEAD_DIMS", (128,))
+        assert launched == ["_sigmoid_fwd_kernel"], launched
 
     # Not dense: one sequence padded; float32; a row stride of 129 values (not 16-byte aligned);
     # a head stride of 0 (k and v broadcast over heads with expand).
