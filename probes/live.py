@@ -41,6 +41,7 @@ _DIFFERENTIABLE_BACKEND = {
     "softmax-reference": "softmax-reference",
     "sigmoid-reference": "sigmoid-reference",
     "sigmoid-triton": "sigmoid-reference",
+    "sigmoid-triton-exact": "sigmoid-reference",
 }
 
 
