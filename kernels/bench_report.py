@@ -42,8 +42,12 @@ def _status(passing: int, rounds: int, median_passes: bool) -> str:
     return "tie" if median_passes else "not met"
 
 
-def _ratio_row(name: str, D: int, T: int, ratios: pd.Series, threshold: float) -> dict:
-    ratios = ratios.dropna()
+def _ratio_row(name: str, D: int, T: int, num: pd.Series, den: pd.Series, threshold: float) -> dict:
+    """Per-round ratios ``num / den``. A round without a reference figure (``den`` NaN) is left
+    out; a round where the op itself failed (``num`` NaN) counts as a ratio of 0, a failing round."""
+    den = den.reindex(num.index)
+    keep = den.notna()
+    ratios = (num[keep].fillna(0.0) / den[keep]).astype(float)
     if ratios.empty:
         return {"bar": name, "D": D, "T": T, "rounds": 0, "median": float("nan"),
                 "low": float("nan"), "high": float("nan"), "rounds_passing": 0,
@@ -64,7 +68,8 @@ def bars(df: pd.DataFrame) -> pd.DataFrame:
     ``fwd 25% pad`` / ``bwd 25% pad`` (op padded / op unpadded TFLOPS; threshold 0.9), for every
     head dim and every T >= 4096 present in ``df``. Status: ``met`` when every round reaches the
     threshold, ``tie`` when the median does but some round does not, ``not met`` when the median
-    does not. A bar whose providers or shapes are missing from ``df`` is left out.
+    does not. A round whose reference figure is missing is left out; a round where the op
+    failed counts as failing. A bar whose providers or shapes are missing from ``df`` is left out.
     """
     rows = []
     op0, base0 = _per_round(df, OP, 0.0), _per_round(df, BASELINE, 0.0)
@@ -75,11 +80,11 @@ def bars(df: pd.DataFrame) -> pd.DataFrame:
         for kind in ("fwd", "bwd"):
             col = f"{kind}_tflops"
             if (D, T) in shapes(base0):
-                ratio = op[col] / base0.loc[(D, T)][col].reindex(op.index)
-                rows.append(_ratio_row(f"{kind} vs {BASELINE}", D, T, ratio, 1.0))
+                base = base0.loc[(D, T)][col]
+                rows.append(_ratio_row(f"{kind} vs {BASELINE}", D, T, op[col], base, 1.0))
             if (D, T) in shapes(op_pad):
-                ratio = op_pad.loc[(D, T)][col].reindex(op.index) / op[col]
-                rows.append(_ratio_row(f"{kind} 25% pad", D, T, ratio, 1.0 - PAD_TOLERANCE))
+                padded, threshold = op_pad.loc[(D, T)][col], 1.0 - PAD_TOLERANCE
+                rows.append(_ratio_row(f"{kind} 25% pad", D, T, padded, op[col], threshold))
     columns = ["bar", "D", "T", "rounds", "median", "low", "high", "rounds_passing", "status"]
     out = pd.DataFrame(rows, columns=columns)
     order = {f"{kind} {what}": i for i, (what, kind) in enumerate(

@@ -87,11 +87,12 @@ _TUNED: dict[tuple, object] = {}
 # An opaque ``custom_op`` under torch.compile, as in sigmoid_attention.py (why: docs/LOG.md).
 @torch.library.custom_op("stabilitylab::max_abs_logit", mutates_args=())
 def _max_abs_logit_op(
-    q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, scale: float, checked: bool
 ) -> torch.Tensor:
     q, k = last_dim_contiguous(q), last_dim_contiguous(k)
     B, H, T, D = q.shape
-    check_lengths_at_launch(lengths, T)
+    if not checked:  # traced by torch.compile, which skipped the lengths' range check
+        check_lengths_at_launch(lengths, T)
     if interpreting():
         launch, blocks, min_bm = interpreted(_max_abs_logit_kernel), INTERPRETER_BLOCKS, 16
     else:
@@ -117,7 +118,7 @@ def _max_abs_logit_op(
 
 
 @_max_abs_logit_op.register_fake
-def _max_abs_logit_fake(q, k, lengths, scale):
+def _max_abs_logit_fake(q, k, lengths, scale, checked):
     return q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
@@ -127,4 +128,5 @@ def max_abs_logit(
     """Exact ``max |q.k| * scale`` over valid pairs per (batch, head): float32 ``max_BH``, detached."""
     check_attention_inputs({"q_BHTD": q_BHTD, "k_BHTD": k_BHTD}, lengths_B, scale)
     scale = 1.0 / math.sqrt(q_BHTD.shape[-1]) if scale is None else float(scale)
-    return _max_abs_logit_op(q_BHTD.detach(), k_BHTD.detach(), lengths_B, scale)
+    checked = not torch.compiler.is_compiling()  # the range check above ran in eager only
+    return _max_abs_logit_op(q_BHTD.detach(), k_BHTD.detach(), lengths_B, scale, checked)

@@ -45,7 +45,8 @@ the cycles per tile, but not measurably the op's time, session 8 in docs/BENCHMA
 Unpadded batches (every L_b == T) at head dim 128 go to the kernels of
 ``kernels/sigmoid_attention_dense.py`` instead (``use_dense``): the same maths with descriptors
 built once on the host, so no program builds any; bit-identical results, +3% forward at T = 4K and
-+5-8% at 1-2K (session 9, docs/BENCHMARKS.md).
++5-8% at 1-2K (session 9, docs/BENCHMARKS.md). Its forward is persistent (one program per SM;
+session 10: +2-6% more); the exact sigmoid mode keeps the general forward, which is faster there.
 
 Sigmoid modes (constexpr ``SIGMOID``): 0 exact ``1/(1+exp(-x))``; 1 ``0.5 tanh(x/2) + 0.5`` with
 ``tanh.approx.f32`` (one MUFU op, the default for 16-bit inputs). Inline PTX cannot run in the
@@ -738,10 +739,10 @@ def use_a_regs(q: torch.Tensor, tma: bool) -> bool:
 
 
 def forward_auto(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max):
-    """The forward with the op's choice: an unpadded batch in the fast sigmoid mode to the dense
-    kernel (``use_dense``; q in registers at head dim 128); else TMA from T = 4096 where possible, lookahead, q in
-    registers with TMA at head dim 128, ``FWD_Q_TILES`` query tiles per program."""
-    check_lengths_at_launch(lengths, q.shape[2])
+    """The forward with the op's choice: an unpadded batch in the fast sigmoid mode to the
+    persistent dense kernel (``use_dense``; q in registers at head dim 128); else TMA from
+    T = 4096 where possible, lookahead, q in registers with TMA at head dim 128, ``FWD_Q_TILES``
+    query tiles per program."""
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     # The exact sigmoid keeps the general forward: persistent, its dense twin ran 7% slower
     # (session 10, hd 128, T = 4K-16K; docs/BENCHMARKS.md).
@@ -768,6 +769,8 @@ def _fwd_op(
     sigmoid: int,
     return_max: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # The op runs under torch.compile, whose tracing skipped the lengths' range check.
+    check_lengths_at_launch(lengths, q.shape[2])
     return forward_auto(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max)
 
 
@@ -835,7 +838,6 @@ def backward_auto(do, q, k, v, lengths, scale, bias, log_bias, sigmoid):
     """The backward with the op's choice: an unpadded batch to the dense kernels (``use_dense``),
     else ``BWD_LEVERS`` (TMA from T = TMA_MIN_T only)."""
     do, q, k, v = (last_dim_contiguous(t) for t in (do, q, k, v))
-    check_lengths_at_launch(lengths, q.shape[2])
     if use_dense(lengths, q, k, v, do):
         return _backward_dense(do, q, k, v, lengths, scale, bias, log_bias, sigmoid)
     tma = use_tma(q, k, v, do)
@@ -858,6 +860,7 @@ def _bwd_op(
     log_bias: bool,
     sigmoid: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_lengths_at_launch(lengths, q.shape[2])  # as in the forward op
     return backward_auto(do, q, k, v, lengths, scale, bias, log_bias, sigmoid)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 import weakref
 
@@ -199,13 +200,10 @@ def check_attention_inputs(
         raise ValueError(
             f"device mismatch: {first_name} {first.device} vs lengths_B {lengths_B.device}"
         )
-    if scale is not None and not (
-        isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < float("inf")
-    ):
+    real = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)  # numpy floats too
+    if scale is not None and not (real(scale) and 0 < scale < float("inf")):
         raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
-    if bias is not None and (
-        isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias)
-    ):
+    if bias is not None and not (real(bias) and math.isfinite(bias)):
         raise ValueError(f"bias must be a finite float or None, got {bias!r}")
     if B == 0 or T == 0:
         raise ValueError(f"empty input: B={B}, T={T}")

@@ -97,8 +97,23 @@ def test_model_step_bar_pairs_backends_by_round():
     assert not math.isnan(model_step_bar(slower).iloc[0]["change_pct_low"])
 
 
-def test_bench_attention_rejects_zero_rounds():
+def test_a_round_where_the_op_failed_fails_the_bar():
+    df = pd.DataFrame(
+        rows("sigmoid-triton", 64, 8192, 0.0, [float("nan"), 100, float("nan")], [100] * 3)
+        + rows("cudnn", 64, 8192, 0.0, [120, 90, 80], [float("nan"), 90, 80])
+    )
+    table = bars(df)
+    fwd = bar(table, "fwd vs cudnn", 64, 8192)
+    assert (fwd["rounds"], fwd["rounds_passing"], fwd["status"]) == (3, 1, "not met")
+    assert fwd["low"] == 0.0
+    bwd = bar(table, "bwd vs cudnn", 64, 8192)  # no cuDNN figure in round 0: left out
+    assert (bwd["rounds"], bwd["rounds_passing"], bwd["status"]) == (2, 2, "met")
+
+
+def test_bench_attention_rejects_zero_rounds(capsys):
     from stabilitylab.kernels import bench_attention
 
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         bench_attention.main(["--rounds", "0"])
+    assert exit_info.value.code == 2  # argparse's error, before the check for a GPU
+    assert "--rounds must be >= 1" in capsys.readouterr().err

@@ -325,6 +325,27 @@ def test_lengths_out_of_range_raise_under_torch_compile(monkeypatch):
                 compiled(q, torch.tensor(bad))
 
 
+@pytest.mark.interpreter
+def test_eager_calls_read_the_lengths_once_even_in_inference_mode(monkeypatch):
+    """The launch-time range check is for compiled graphs only: an eager call reads its lengths
+    once (validation), also under inference_mode, where the memo cannot hold the tensor."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    reads, aminmax = [], torch.aminmax
+
+    def counting(*args, **kwargs):
+        reads.append(1)
+        return aminmax(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "aminmax", counting)
+    q = torch.randn(2, 1, 37, 64)
+    with torch.inference_mode():
+        lengths_B = torch.tensor([37, 19])
+        sigmoid_attention(q, q, q, lengths_B)
+        assert len(reads) == 1
+        max_abs_logit(q, q, lengths_B)
+        assert len(reads) == 2
+
+
 def _lever_cases(device, dtype):
     """Inputs for the lever tests: both head dims x every length case, with the sigmoid mode the
     op would pick (the interpreter runs the exact mode whatever it is asked)."""
