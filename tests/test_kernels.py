@@ -165,6 +165,10 @@ def test_bool_or_zero_scale_and_bool_bias_are_refused(kw, monkeypatch):
     q, L = _bad_inputs("cpu")
     with pytest.raises(ValueError, match="scale must be|bias must be"):
         sigmoid_attention(q, q, q, L, **kw)
+    import numpy as np
+
+    out, _ = sigmoid_attention(q, q, q, L, scale=np.float64(0.2), bias=np.float32(-1.0))
+    assert torch.isfinite(out).all()  # numpy scalars are numbers
 
 
 def test_strided_views_equal_contiguous(device):
