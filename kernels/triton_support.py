@@ -247,14 +247,18 @@ def _lengths_min_max(lengths_B: torch.Tensor, T: int) -> tuple[int, int]:
     return _lengths_in_range.get(lengths_B, T, read)
 
 
+def _capturing(lengths_B: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the lengths' stream (no host read allowed)."""
+    return lengths_B.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def check_lengths_at_launch(lengths_B: torch.Tensor, T: int) -> None:
     """The lengths' range check again where the kernels are launched, for calls whose validation
     skipped it (``torch.compile`` traces without it; the compiled graph then calls the op with
     any lengths). From the memo: free when validation has just read the same tensor, else one
     sync. Not while a CUDA graph is captured: a sync is an error there."""
-    if lengths_B.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
-    _lengths_min_max(lengths_B, T)
+    if not _capturing(lengths_B):
+        _lengths_min_max(lengths_B, T)
 
 
 def lengths_all_full(lengths_B: torch.Tensor, T: int) -> bool:
@@ -263,9 +267,7 @@ def lengths_all_full(lengths_B: torch.Tensor, T: int) -> bool:
     time). Never while a CUDA graph is being captured: a sync is an error there, and a graph is
     replayed with whatever lengths its static buffer holds then, which only the kernels that read
     the lengths on the device (those for padded batches) handle."""
-    if lengths_B.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    return _lengths_min_max(lengths_B, T)[0] == T
+    return not _capturing(lengths_B) and _lengths_min_max(lengths_B, T)[0] == T
 
 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
