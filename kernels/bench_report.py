@@ -74,22 +74,21 @@ def bars(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
     op0, base0 = _per_round(df, OP, 0.0), _per_round(df, BASELINE, 0.0)
     op_pad = _per_round(df, OP, PAD_BAR)
-    shapes = lambda t: set(t.index.droplevel("round"))
+    base_shapes, pad_shapes = (set(t.index.droplevel("round")) for t in (base0, op_pad))
     for (D, T), op in op0.groupby(level=["D", "T"]):
         op = op.droplevel(["D", "T"])  # indexed by round
         for kind in ("fwd", "bwd"):
             col = f"{kind}_tflops"
-            if (D, T) in shapes(base0):
+            if (D, T) in base_shapes:
                 base = base0.loc[(D, T)][col]
                 rows.append(_ratio_row(f"{kind} vs {BASELINE}", D, T, op[col], base, 1.0))
-            if (D, T) in shapes(op_pad):
+            if (D, T) in pad_shapes:
                 padded, threshold = op_pad.loc[(D, T)][col], 1.0 - PAD_TOLERANCE
                 rows.append(_ratio_row(f"{kind} 25% pad", D, T, padded, op[col], threshold))
     columns = ["bar", "D", "T", "rounds", "median", "low", "high", "rounds_passing", "status"]
     out = pd.DataFrame(rows, columns=columns)
-    order = {f"{kind} {what}": i for i, (what, kind) in enumerate(
-        (w, k) for w in (f"vs {BASELINE}", "25% pad") for k in ("fwd", "bwd")
-    )}  # fmt: skip
+    bar_names = [f"fwd vs {BASELINE}", f"bwd vs {BASELINE}", "fwd 25% pad", "bwd 25% pad"]
+    order = {name: i for i, name in enumerate(bar_names)}
     out = out.sort_values(["bar", "D", "T"], key=lambda c: c.map(order) if c.name == "bar" else c)
     return out.reset_index(drop=True)
 
