@@ -31,7 +31,7 @@ from stabilitylab.kernels.reference import (
     sigmoid_attention_reference,
     softmax_attention_reference,
 )
-from stabilitylab.kernels.triton_support import LastTensorMemo
+from stabilitylab.kernels.triton_support import lengths_all_full
 
 AttentionResult = tuple[torch.Tensor, torch.Tensor | None]
 AttentionBackend = Callable[..., AttentionResult]
@@ -66,21 +66,11 @@ def max_abs_logit(q_BHTD, k_BHTD, lengths_B) -> torch.Tensor:
     return max_abs_logit_reference(q_BHTD, k_BHTD, lengths_B)
 
 
-# A model passes one lengths_B to every layer: read it on the host once, not once per layer (a sync
-# per call; 12 per forward in the stress model, docs/BENCHMARKS.md, run 12).
-_lengths_full = LastTensorMemo()
-
-
-def _all_full(lengths_B: torch.Tensor, T: int) -> bool:
-    """Whether every sequence fills all T positions (SDPA then takes its unmasked kernel)."""
-    return _lengths_full.get(lengths_B, T, lambda: bool((lengths_B == T).all()))
-
-
 @register("softmax")
 def softmax_sdpa(q_BHTD, k_BHTD, v_BHTD, lengths_B, *, sigmoid_bias=None, return_max_logit=False):
     T = q_BHTD.shape[2]
     valid_BT = key_mask_BT(lengths_B, T)
-    if _all_full(lengths_B, T):
+    if lengths_all_full(lengths_B, T):  # SDPA's unmasked kernel; one host read per lengths_B
         out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHTD, v_BHTD)
     else:
         out_BHTD = F.scaled_dot_product_attention(

@@ -89,6 +89,15 @@ def test_softmax_full_length_answer_follows_in_place_changes():
     assert (padded[1, :, 7:] == 0).all()
 
 
+@pytest.mark.parametrize("bad", [0, 17])
+def test_softmax_refuses_lengths_out_of_range(bad):
+    """The softmax backend reads its lengths through the kernels' range check (one memo for both
+    arms): a length of 0 or beyond T is named, not turned into a silent all-masked row."""
+    q, k, v, _ = _inputs(2, 2, 16, 64, [16, 16], torch.float32, 4)
+    with pytest.raises(ValueError, match=r"lengths_B must lie in \[1, T=16\]"):
+        get_backend("softmax")(q, k, v, torch.tensor([16, bad]))
+
+
 @pytest.mark.parametrize(
     "name", ["softmax", pytest.param("sigmoid-triton", marks=pytest.mark.interpreter)]
 )
