@@ -84,7 +84,7 @@ from stabilitylab.kernels.triton_support import (
     interpreting,
     last_dim_contiguous,
     lengths_all_full,
-    persistent_programs,
+    persistent_grid,
     seq_bucket,
     specialization,
 )
@@ -696,10 +696,10 @@ def _forward_dense(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max,
     B, H, T, D = q.shape
     out = _empty_bthd_as_bhtd(q)
     mx, n_mx = _max_buffer(q, return_max)
-    # Persistent: one program per SM, each looping over query tiles (session 10: +2% to +6% over
-    # one program per tile at T = 16K / 4K, hd 128; docs/BENCHMARKS.md).
-    n_prog = persistent_programs(q.device)
-    grid = lambda meta: (min(n_prog, cdiv(T, meta["BLOCK_M"]) * B * H),)
+    # Persistent: at most one program per SM, each looping over query tiles (session 10: +2% to
+    # +6% over one program per tile at T = 16K / 4K, hd 128; docs/BENCHMARKS.md), and no more
+    # programs than the same number of rounds needs (``persistent_grid``, session 11).
+    grid = lambda meta: (persistent_grid(cdiv(T, meta["BLOCK_M"]) * B * H, q.device),)
     args = (out, mx, lengths, *out.stride()[:3], H, T, seq_bucket(T), n_mx, scale, bias, B * H)
     kwargs = {
         "RETURN_MAX": return_max,

@@ -90,11 +90,20 @@ def specialization(*values) -> tuple:
 
 @functools.cache
 def persistent_programs(device: torch.device) -> int:
-    """Programs of a persistent kernel: one per SM on a GPU; three in the interpreter, so that
-    each program loops over several tiles there too."""
+    """Programs of a persistent kernel at most: one per SM on a GPU; three in the interpreter, so
+    that each program loops over several tiles there too."""
     if device.type != "cuda":
         return 3
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def persistent_grid(n_tiles: int, device: torch.device) -> int:
+    """Programs for ``n_tiles`` equal tiles: the fewest that take them in as few rounds as
+    ``persistent_programs`` would. 2,048 tiles on 132 SMs need 16 rounds, and 128 programs do
+    them in 16 full rounds; the 4 idle SMs leave the others more of the 700 W power cap (H200,
+    session 11: +1.9% to +2.6% forward TFLOPS at hd 128, T = 2K-16K, docs/BENCHMARKS.md)."""
+    rounds = cdiv(n_tiles, persistent_programs(device))
+    return cdiv(n_tiles, rounds)
 
 
 @functools.cache  # on every launch; torch's lookup costs ~10 us of host time

@@ -614,6 +614,20 @@ def test_straight_launch_equals_the_autotuned_one(monkeypatch):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
+def test_persistent_grid_takes_the_fewest_programs_for_the_same_rounds(monkeypatch):
+    from stabilitylab.kernels import triton_support
+    from stabilitylab.kernels.triton_support import cdiv, persistent_grid
+
+    monkeypatch.setattr(triton_support, "persistent_programs", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert persistent_grid(2048, cpu) == 128  # hd 128: 16 full rounds, not 15.5 on 132 SMs
+    assert [persistent_grid(n, cpu) for n in (1, 100, 132, 133, 2112)] == [1, 100, 132, 67, 132]
+    for n in range(1, 3000):
+        g = persistent_grid(n, cpu)
+        assert g <= 132 and cdiv(n, g) == cdiv(n, min(n, 132)), n  # as few rounds as 132 take
+        assert g == 1 or cdiv(n, g - 1) > cdiv(n, g), n  # and one program fewer needs more
+
+
 def test_host_integer_helpers_match_triton():
     """The launchers' plain-int ceiling division and T bucket (cheaper on the host than Triton's
     constexpr functions) agree with ``triton.cdiv`` / ``triton.next_power_of_2``."""
