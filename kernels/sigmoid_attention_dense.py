@@ -11,9 +11,10 @@ program spends before its key loop at T = 4K (session 8's clock probes). Measure
 (session 9, docs/BENCHMARKS.md): the same outputs bit for bit, and time saved where a program is
 short (T <= 4K); see there for the numbers.
 
-The forward is persistent: one program per SM (``persistent_programs``) takes query tiles
-round-robin, so no program is launched per tile (session 10: +2% to +6% over one program per tile
-at hd 128, T = 16K to 4K). The op sends only the fast sigmoid mode here; persistent, the exact
+The forward is persistent: at most one program per SM takes query tiles round-robin, so no
+program is launched per tile (session 10: +2% to +6% over one program per tile at hd 128, T = 16K
+to 4K); as few programs as need no more rounds (``persistent_grid``: 128 on 132 SMs for 2,048
+tiles, session 11: +2% to +3%). The op sends only the fast sigmoid mode here; persistent, the exact
 mode's forward was 7% slower than the general kernel's.
 
 Each kernel takes the descriptors ``*_d`` (built by ``descriptors`` with a placeholder block that

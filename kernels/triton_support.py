@@ -101,7 +101,7 @@ def persistent_grid(n_tiles: int, device: torch.device) -> int:
     """Programs for ``n_tiles`` equal tiles: the fewest that take them in as few rounds as
     ``persistent_programs`` would. 2,048 tiles on 132 SMs need 16 rounds, and 128 programs do
     them in 16 full rounds; the 4 idle SMs leave the others more of the 700 W power cap (H200,
-    session 11: +1.9% to +2.6% forward TFLOPS at hd 128, T = 2K-16K, docs/BENCHMARKS.md)."""
+    session 11: +1.9% to +3.1% forward TFLOPS at hd 128, T = 2K-16K, docs/BENCHMARKS.md)."""
     rounds = cdiv(n_tiles, persistent_programs(device))
     return cdiv(n_tiles, rounds)
 
