@@ -45,8 +45,9 @@ the cycles per tile, but not measurably the op's time, session 8 in docs/BENCHMA
 Unpadded batches (every L_b == T) at head dim 128 go to the kernels of
 ``kernels/sigmoid_attention_dense.py`` instead (``use_dense``): the same maths with descriptors
 built once on the host, so no program builds any; bit-identical results, +3% forward at T = 4K and
-+5-8% at 1-2K (session 9, docs/BENCHMARKS.md). Its forward is persistent (one program per SM;
-session 10: +2-6% more); the exact sigmoid mode keeps the general forward, which is faster there.
++5-8% at 1-2K (session 9, docs/BENCHMARKS.md). Its forward is persistent (at most one program
+per SM, as few as the same rounds need: sessions 10-11, +2-6% and +2-3% more); the exact sigmoid
+mode keeps the general forward, which is faster there.
 
 Sigmoid modes (constexpr ``SIGMOID``): 0 exact ``1/(1+exp(-x))``; 1 ``0.5 tanh(x/2) + 0.5`` with
 ``tanh.approx.f32`` (one MUFU op, the default for 16-bit inputs). Inline PTX cannot run in the
