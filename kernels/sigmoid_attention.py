@@ -588,9 +588,9 @@ TMA_MIN_T = 4096
 # docs/BENCHMARKS.md: TMA helps the dK/dV kernel (its loop streams Q and dO: -2% to -6% time at
 # T >= 4K unpadded, -10% at 25% padding), and the dQ kernel at head dim 128 (session 7: the op's
 # backward +1.3% to +2.9%; at head dim 64 within +-0.7%, though offline its loop shrinks from 433
-# to 256 instructions per warp and tile); lookahead costs both 17-39%: its scores stay in flight
-# across the loop's back edge, so ptxas serializes every wgmma of the loop (its note C7514; session
-# 13, offline), besides one more live score tile and the loop's tiles loaded twice.
+# to 256 instructions per warp and tile); lookahead costs both 17-39%. With it, the scores stay in
+# flight across the loop's back edge and ptxas serializes every wgmma of the loop (its note C7514;
+# session 13, offline); one more score tile is live, and the loop's tiles are loaded twice.
 BWD_LEVERS = {"tma_dq": True, "tma_dkdv": True, "lookahead": False, "a_regs": False}
 # A_REGS (the loop-invariant A operand of the wgmmas through an opaque register move, so they read
 # it from registers and only the streamed tile from shared memory): forward at head dim 128 only.
