@@ -1,7 +1,66 @@
-"""Jacobian and Lipschitz probes of attention.
+"""Probes of attention: Jacobians and Lipschitz bounds; the KV-eviction study's diagnostics.
 
 - ``jacobian``: pure maths: score maps, toy attention layer, exact Jacobians, power iteration.
 - ``sweeps``: the tables behind the scripts (``score_map.py``, ``attention_layer.py``,
   ``estimator_check.py``; run them as ``python probes/<name>.py``).
 - ``live``: ``JacobianProbe``, the in-training probe; ``live_cost.py`` measures its overhead.
+- ``masked_attention``: a tiny n x n softmax/sigmoid attention with explicit weights, padding,
+  causal mask, per-key bias and removed keys; the eviction probes compute on it.
+- ``support_removal``: random K/V removal (first four positions kept) and the relative change
+  of a layer's attention output; ``rowsum``: the row-sum coefficient of variation.
+- ``gates``: per-layer gate mean and binarization, for the trainer's log and the study;
+  ``token_categories``: GPT-2 pieces in six categories, mean gate per category, extreme tokens.
 """
+
+from stabilitylab.probes.gates import (
+    GateSums,
+    gate_stats,
+    gate_stats_LBT,
+    gate_stats_table,
+    gate_sums,
+    pooled_gate_stats,
+)
+from stabilitylab.probes.masked_attention import attention_weights_BHTT, masked_attention_BHTD
+from stabilitylab.probes.rowsum import row_sum_cv_BH, row_sum_cv_from_qk_BH, row_sum_cv_table
+from stabilitylab.probes.support_removal import (
+    layer_average_by_p,
+    mean_over_sequences,
+    relative_perturbation_B,
+    removal_count,
+    sample_removal_mask_BT,
+    support_removal_perturbation_B,
+    support_removal_table,
+)
+from stabilitylab.probes.token_categories import (
+    CATEGORIES,
+    STOPWORDS,
+    extreme_tokens,
+    gate_by_category,
+    token_category,
+)
+
+__all__ = [
+    "CATEGORIES",
+    "STOPWORDS",
+    "GateSums",
+    "attention_weights_BHTT",
+    "extreme_tokens",
+    "gate_by_category",
+    "gate_stats",
+    "gate_stats_LBT",
+    "gate_stats_table",
+    "gate_sums",
+    "layer_average_by_p",
+    "masked_attention_BHTD",
+    "mean_over_sequences",
+    "pooled_gate_stats",
+    "relative_perturbation_B",
+    "removal_count",
+    "row_sum_cv_BH",
+    "row_sum_cv_from_qk_BH",
+    "row_sum_cv_table",
+    "sample_removal_mask_BT",
+    "support_removal_perturbation_B",
+    "support_removal_table",
+    "token_category",
+]
