@@ -1,7 +1,8 @@
-"""Jacobian and Lipschitz probes of attention.
+"""Jacobian and Lipschitz probes of attention (library; the scripts are in experiments/probes/).
 
 - ``jacobian``: pure maths: score maps, toy attention layer, exact Jacobians, power iteration.
-- ``sweeps``: the tables behind the scripts (``score_map.py``, ``attention_layer.py``,
-  ``estimator_check.py``; run them as ``python probes/<name>.py``).
-- ``live``: ``JacobianProbe``, the in-training probe; ``live_cost.py`` measures its overhead.
+- ``sweeps``: the tables behind ``experiments/probes/score_map.py``, ``attention_layer.py`` and
+  ``estimator_check.py``.
+- ``live``: ``JacobianProbe``, the in-training probe; ``experiments/probes/live_cost.py``
+  measures its overhead.
 """
