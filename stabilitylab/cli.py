@@ -18,6 +18,10 @@ from collections.abc import Iterator
 from stabilitylab.config import CPU_PRESETS, ConfigError, parse
 from stabilitylab.data.source import DataError
 
+TRAIN_DESCRIPTION = (
+    "Paired softmax / sigmoid training runs: a preset sets every default, --section.key=value "
+    "overrides one; then the stability report over the arms."
+)
 USAGE_ERROR = 2
 """Exit code of a refused input (argparse and tyro use it too)."""
 
@@ -48,7 +52,7 @@ def train_main(argv: list[str] | None = None) -> int:
     preset without CUDA.
     """
     with cli_errors():
-        cfg = parse(argv, default_preset="stress_8k")
+        cfg = parse(argv, default_preset="stress_8k", description=TRAIN_DESCRIPTION)
         import torch
 
         if not torch.cuda.is_available() and cfg.preset not in CPU_PRESETS and not cfg.allow_cpu:

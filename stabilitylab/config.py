@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Literal
@@ -459,7 +460,9 @@ def _preset_from_argv(argv: list[str], default: str) -> str:
     return name
 
 
-def parse(argv: list[str] | None = None, default_preset: str = "stress_8k") -> Config:
+def parse(
+    argv: list[str] | None = None, default_preset: str = "stress_8k", *, description: str = ""
+) -> Config:
     """The config of ``--preset NAME`` (default ``default_preset``) with typed overrides.
 
     The preset is read first because it sets every default that ``--help`` shows and the
@@ -476,7 +479,8 @@ def parse(argv: list[str] | None = None, default_preset: str = "stress_8k") -> C
         Config,
         default=base,
         args=argv,
-        description=f"{__doc__.split(chr(10))[0]}\n\nPresets (--preset NAME):\n{presets}",
+        prog=os.path.basename(sys.argv[0]),
+        description=f"{description or __doc__.splitlines()[0]}\n\nPresets (--preset NAME):\n{presets}",
         use_underscores=True,  # help spells keys as they are typed: --train.micro_batch
         # Booleans take a value like every other key (--model.qk_layernorm=True), not flag pairs.
         config=(tyro.conf.FlagConversionOff,),

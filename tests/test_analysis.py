@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -322,6 +323,7 @@ def test_empty_or_missing_run_dir_errors_name_the_path(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},  # this tree, whatever is installed
     )
     assert cli.returncode == 2
     assert cli.stderr.strip().count("\n") == 0 and "empty_run" in cli.stderr

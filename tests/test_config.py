@@ -2,6 +2,7 @@ import ast
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from stabilitylab import config as C
 
 ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # scripts import this tree, whatever is installed
 
 
 @pytest.mark.parametrize("name", sorted(C.PRESETS))
@@ -59,7 +61,12 @@ def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """The training entry point's argument handling in a fresh interpreter."""
     code = "import sys; from stabilitylab.cli import train_main; sys.exit(train_main())"
     return subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=cwd, timeout=120
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
+        env=ENV,
     )
 
 
@@ -215,6 +222,73 @@ def test_stress_script_refuses_without_cuda_and_names_cpu_preset():
         text=True,
         cwd=ROOT,
         timeout=60,
+        env=ENV,
     )
     assert proc.returncode == 2
     assert "--preset smoke" in proc.stderr and "CUDA" in proc.stderr
+
+
+# ---- packaging ---------------------------------------------------------------------------------
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_every_package_folder_is_installed():
+    """A subpackage missing from the list installs nowhere with ``pip install .`` (not editable)."""
+    tool = _pyproject()["tool"]["setuptools"]
+    found = set()
+    for package, folder in tool["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            found.add(".".join([package, *init.parent.relative_to(ROOT / folder).parts]))
+    assert found == set(tool["packages"])
+
+
+def test_console_entry_points_resolve_and_answer_help(capsys):
+    import importlib
+
+    scripts = _pyproject()["project"]["scripts"]
+    assert {"stabilitylab-train", "stabilitylab-report", "stabilitylab-sweep"} <= set(scripts)
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        main = getattr(importlib.import_module(module), func)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--help"])
+        assert exit_info.value.code == 0, name
+        assert "usage:" in capsys.readouterr().out, name
+
+
+def test_requires_python_matches_the_lock():
+    """Every pin of requirements/cpu.txt admits the lowest Python the project claims, and at
+    least one excludes the minor below it (else the claim could be lower)."""
+    import importlib.metadata as md
+
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    claimed = SpecifierSet(_pyproject()["project"]["requires-python"])
+    (low,) = [Version(s.version) for s in claimed if s.operator == ">="]
+    below = Version(f"{low.major}.{low.minor - 1}")
+    pins = [
+        line.split("==")
+        for line in (ROOT / "requirements" / "cpu.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    excluding, checked = [], 0
+    for name, version in pins:
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue
+        if dist.version != version or not dist.metadata.get("Requires-Python"):
+            continue
+        spec = SpecifierSet(dist.metadata["Requires-Python"])
+        checked += 1
+        assert spec.contains(f"{low}.0"), f"{name}=={version} needs Python {spec}"
+        if not spec.contains(f"{below}.99"):
+            excluding.append(name)
+    assert checked > 20, "too few pins are installed here to judge"
+    assert excluding, f"no pin needs more than Python {below}: requires-python could be lower"

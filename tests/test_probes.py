@@ -87,7 +87,7 @@ def test_power_iteration_on_a_linear_map_is_a_rising_lower_bound():
     gen = fresh_generator()
     # Random singular vectors, and a top singular value 1.3x the next: the error then shrinks by
     # (1/1.3)^2 per step. (A plain randn matrix can have sigma_2 / sigma_1 near 1, where 200 steps
-    # fall short of 1e-6: it failed that way in a clean-clone run, session 7.)
+    # fall short of 1e-6.)
     U, _ = torch.linalg.qr(torch.randn(30, 20, generator=gen, dtype=F64))
     V, _ = torch.linalg.qr(torch.randn(20, 20, generator=gen, dtype=F64))
     s = torch.rand(20, generator=gen, dtype=F64).sort(descending=True).values + 0.1
