@@ -29,6 +29,7 @@ from stabilitylab import tags
 
 EVENT_GLOB = "events.out.tfevents.*"
 COLUMNS = ["run", "arm", "step", "tag", "value"]
+_NOT_ARM_DIRS = {"checkpoints", "report"}  # folders inside a run that are never an arm
 _RECORD_OVERHEAD = 16  # TFRecord framing: u64 length, u32 crc(length), payload, u32 crc(payload)
 _NUMERIC_SUMMARY_FIELDS = (
     "max_grad_norm",
@@ -77,25 +78,29 @@ def _scalar(v) -> float | None:
     return None
 
 
-def find_arm_dirs(path: str | Path) -> list[Path]:
+def find_arm_dirs(path: str | Path, *, with_meta_only: bool = False) -> list[Path]:
     """Arm dirs (folders holding event files) at or under ``path``, sorted.
 
+    ``with_meta_only`` adds arm dirs that hold config.json or summary.json but no event file
+    (a run that never logged, or whose event file was removed), so a report can say so.
     Raises FileNotFoundError when ``path`` does not exist, ValueError when nothing under it
-    holds an event file.
+    holds an event file (or, with ``with_meta_only``, an arm's json either).
     """
     root = Path(path)
     if not root.exists():
         raise FileNotFoundError(f"run directory not found: {root}")
     if not root.is_dir():
         raise ValueError(f"not a directory: {root}")
-    found = sorted(
-        Path(dirpath)
-        for dirpath, _dirs, files in os.walk(root)
-        if any(Path(dirpath, f).match(EVENT_GLOB) for f in files)
-    )
+    found = []
+    for dirpath, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _NOT_ARM_DIRS]
+        if any(Path(dirpath, f).match(EVENT_GLOB) for f in files) or (
+            with_meta_only and {"config.json", "summary.json"} & set(files)
+        ):
+            found.append(Path(dirpath))
     if not found:
         raise ValueError(f"no TensorBoard event files ({EVENT_GLOB}) in or under {root}")
-    return found
+    return sorted(found)
 
 
 def load_arm(arm_dir: str | Path, run: str, arm: str) -> tuple[pd.DataFrame, list[Path]]:
@@ -144,15 +149,20 @@ def _labels(arm_dirs: list[Path]) -> list[tuple[str, str]]:
         depth += 1
 
 
-def discover(paths: list[str | Path] | str | Path) -> list[tuple[Path, str, str]]:
-    """``(arm_dir, run, arm)`` for every arm dir in or under ``paths``, unique labels."""
+def discover(
+    paths: list[str | Path] | str | Path, *, with_meta_only: bool = False
+) -> list[tuple[Path, str, str]]:
+    """``(arm_dir, run, arm)`` for every arm dir in or under ``paths``, unique labels.
+
+    ``with_meta_only``: also arm dirs without an event file (see ``find_arm_dirs``).
+    """
     if isinstance(paths, (str, Path)):
         paths = [paths]
     if not paths:
         raise ValueError("no run directories given")
     arm_dirs: list[Path] = []
     for p in paths:
-        for d in find_arm_dirs(p):
+        for d in find_arm_dirs(p, with_meta_only=with_meta_only):
             if d.resolve() not in {a.resolve() for a in arm_dirs}:
                 arm_dirs.append(d)
     return [(d, run, arm) for d, (run, arm) in zip(arm_dirs, _labels(arm_dirs), strict=True)]
@@ -168,22 +178,39 @@ def load_runs(paths: list[str | Path] | str | Path) -> pd.DataFrame:
     return load_found(discover(paths))
 
 
-def load_found(found: list[tuple[Path, str, str]]) -> pd.DataFrame:
-    """``load_runs`` for the ``(arm_dir, run, arm)`` list that ``discover`` returned."""
-    frames, cut = [], []
+def read_found(found: list[tuple[Path, str, str]]) -> tuple[pd.DataFrame, list[Path]]:
+    """The tidy scalars of ``found`` and the event files cut mid-record, without a warning.
+
+    An arm dir without an event file contributes no rows.
+    """
+    frames, cut = [pd.DataFrame(columns=COLUMNS)], []
     for arm_dir, run, arm in found:
+        if not any(Path(arm_dir).glob(EVENT_GLOB)):
+            continue
         df, arm_cut = load_arm(arm_dir, run, arm)
         frames.append(df)
         cut.extend(arm_cut)
+    out = pd.concat([f for f in frames if not f.empty] or frames[:1], ignore_index=True)
+    out = out.astype({"run": str, "arm": str, "step": np.int64, "tag": str, "value": np.float64})
+    return out.sort_values(["run", "arm", "tag", "step"], kind="stable").reset_index(drop=True), cut
+
+
+def cut_message(cut: list[Path]) -> str:
+    return (
+        "event file(s) cut mid-record (still being written, or crashed); kept the records "
+        "before the cut: " + ", ".join(str(f) for f in cut)
+    )
+
+
+def load_found(found: list[tuple[Path, str, str]]) -> pd.DataFrame:
+    """``load_runs`` for the ``(arm_dir, run, arm)`` list that ``discover`` returned.
+
+    One ``TruncatedEventsWarning`` lists every event file cut mid-record.
+    """
+    df, cut = read_found(found)
     if cut:
-        warnings.warn(
-            "event file(s) cut mid-record (still being written, or crashed); kept the records "
-            "before the cut: " + ", ".join(str(f) for f in cut),
-            TruncatedEventsWarning,
-            stacklevel=3,
-        )
-    out = pd.concat(frames, ignore_index=True)
-    return out.sort_values(["run", "arm", "tag", "step"], kind="stable").reset_index(drop=True)
+        warnings.warn(cut_message(cut), TruncatedEventsWarning, stacklevel=3)
+    return df
 
 
 def _read_json(path: Path) -> dict | None:

@@ -5,22 +5,32 @@
 
 Writes report.md, summary.csv (one row per arm), early_warning.csv, scalars.csv (every scalar,
 tidy: run, arm, step, tag, value), figure.png (loss / grad norm / layer-0 max logit, divergence
-marked) and heatmap.png (per-layer max logit over steps, one panel per arm). A missing tag
-leaves a panel empty with a note in the figure and in report.md. Bad paths print one line and
-exit with code 2.
+marked) and heatmap.png (per-layer max logit over steps, one panel per arm). Nothing missing
+passes silently: an arm without an event file, or whose event files hold no scalar, keeps its
+row (status from summary.json, else ``no data``) with a note; an event file cut mid-record is
+named in report.md as well as in the printed warning; a missing tag leaves a panel empty with a
+note in the figure and in report.md. Bad paths print one line and exit with code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import pandas as pd
 
 from stabilitylab.analysis import markdown, plots
 from stabilitylab.analysis.cli import run_writer
-from stabilitylab.analysis.events import discover, load_found, load_summary
+from stabilitylab.analysis.events import (
+    EVENT_GLOB,
+    TruncatedEventsWarning,
+    cut_message,
+    discover,
+    load_summary,
+    read_found,
+)
 from stabilitylab.analysis.stats import SUMMARY_COLUMNS, arm_row
 
 REPORT_FILES = (
@@ -30,20 +40,31 @@ WARNING_COLUMNS = ["run", "arm", "precursor", "tag", "step", "divergence_step", 
 
 
 def build_tables(
-    df: pd.DataFrame, summaries: dict[tuple[str, str], dict | None]
+    df: pd.DataFrame,
+    summaries: dict[tuple[str, str], dict | None],
+    arms: list[tuple[str, str]] | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """``(summary table, early-warning table)`` for every arm in the tidy frame ``df``."""
+    """``(summary table, early-warning table)`` for the arms ``arms`` (default: those in ``df``).
+
+    An arm with no rows in ``df`` keeps a row: status from its summary, else ``no data``.
+    """
+    if arms is None:
+        arms = list(df.groupby(["run", "arm"], sort=False).groups)
     rows, tables = [], []
-    for (run, arm), df_arm in df.groupby(["run", "arm"], sort=False):
+    for run, arm in arms:
+        df_arm = df[(df["run"] == run) & (df["arm"] == arm)]
         if df_arm.empty:
+            summary = summaries.get((run, arm)) or {}
+            rows.append({"run": run, "arm": arm, "status": summary.get("status", "no data")})
             continue
         row, warn = arm_row(df_arm, summaries.get((run, arm)))
         rows.append(row)
         tables.append(warn)
     summary = pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
     summary = summary.astype(
-        {"divergence_step": "Int64", "detected_step": "Int64", "lead_steps": "Int64"}
-    )
+        {"divergence_step": "Int64", "detected_step": "Int64", "lead_steps": "Int64",
+         "last_step": "Int64"}
+    )  # fmt: skip
     # Rows, not pd.concat: a precursor column that is all-missing in one arm is not dropped.
     early = pd.DataFrame(
         [r for t in tables for r in t.to_dict("records")],
@@ -53,20 +74,39 @@ def build_tables(
     return summary, early
 
 
+def data_notes(df: pd.DataFrame, found: list[tuple[Path, str, str]], cut: list[Path]) -> list[str]:
+    """One line per arm without data and one for the event files cut mid-record."""
+    notes = []
+    present = set(map(tuple, df[["run", "arm"]].drop_duplicates().itertuples(index=False)))
+    for d, run, arm in found:
+        if (run, arm) in present:
+            continue
+        if not any(Path(d).glob(EVENT_GLOB)):
+            notes.append(f"`{d}` (run `{run}`, arm `{arm}`): no event file; no curve, no numbers")
+        else:
+            notes.append(f"`{d}` (run `{run}`, arm `{arm}`): its event file(s) hold no scalar")
+    if cut:
+        notes.append(cut_message(cut))
+    return notes
+
+
 def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) -> dict[str, Path]:
     """Write the report files for ``run_dirs`` and return their paths.
 
     Keys are the file names in ``REPORT_FILES`` (``"report.md"``, ``"summary.csv"``,
     ``"early_warning.csv"``, ``"scalars.csv"``, ``"figure.png"``, ``"heatmap.png"``).
     ``out_dir`` defaults to ``<first run dir>/report``. Raises
-    FileNotFoundError / ValueError naming the path when a run dir is missing or has no events.
+    FileNotFoundError / ValueError naming the path when a run dir is missing or no arm under the
+    run dirs logged a scalar.
     """
     if isinstance(run_dirs, (str, Path)):
         run_dirs = [run_dirs]
     if not run_dirs:
         raise ValueError("no run directories given")
-    found = discover(run_dirs)
-    df = load_found(found)
+    found = discover(run_dirs, with_meta_only=True)
+    df, cut = read_found(found)
+    if cut:
+        warnings.warn(cut_message(cut), TruncatedEventsWarning, stacklevel=2)
     if df.empty:
         raise ValueError(f"no scalars in the event files under {', '.join(map(str, run_dirs))}")
     summaries = {(run, arm): load_summary(d) for d, run, arm in found}
@@ -74,7 +114,7 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     out = Path(out_dir) if out_dir is not None else Path(run_dirs[0]) / "report"
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / name for name in REPORT_FILES}
-    summary, early = build_tables(df, summaries)
+    summary, early = build_tables(df, summaries, [(run, arm) for _, run, arm in found])
     divergence = {
         (r.run, r.arm): (None if pd.isna(r.divergence_step) else int(r.divergence_step))
         for r in summary.itertuples(index=False)
@@ -85,13 +125,16 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     df.to_csv(paths["scalars.csv"], index=False)
     summary.to_csv(paths["summary.csv"], index=False)
     early.to_csv(paths["early_warning.csv"], index=False)
-    paths["report.md"].write_text(_markdown(summary, early, notes, found))
+    missing = data_notes(df, found, cut)
+    paths["report.md"].write_text(_markdown(summary, early, notes, found, missing))
     return paths
 
 
-def _markdown(summary, early, notes, found) -> str:
+def _markdown(summary, early, notes, found, missing) -> str:
     lines = ["# Stability report", "", "Runs:"]
     lines += [f"- `{d}` (run `{run}`, arm `{arm}`)" for d, run, arm in found]
+    if missing:
+        lines += ["", "## Missing or cut data", "", *[f"- {m}" for m in missing]]
     lines += [
         "",
         "## Per arm",

@@ -1,6 +1,7 @@
 """Learning-rate sweep: final loss vs effective LR per arm variant and seed, and LR sensitivity.
 
     python analysis/sweep.py runs/            # every arm dir under runs/ -> runs/sweep/
+    python analysis/sweep.py runs/lr*         # -> runs/sweep/ (beside the first run)
     python analysis/sweep.py runs/lr* --out /tmp/sweep
 
 Groups: arm, plus ``+qk-ln`` when config.json has model.qk_layernorm, and the seed. Effective
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -201,6 +201,14 @@ def merge_tables(new: pd.DataFrame, earlier: list[pd.DataFrame]) -> pd.DataFrame
     return out.sort_values(["variant", "seed", "lr"], kind="stable").reset_index(drop=True)
 
 
+def default_out_dir(run_dirs: list[str | Path]) -> Path:
+    """``<folder that holds the first run>/sweep``: beside the runs, whatever their common
+    parent (runs from two trees would otherwise put it in the working directory)."""
+    arm_dir, _run, arm = discover(run_dirs)[0]
+    run_dir = arm_dir.parent if arm_dir.name == arm else arm_dir
+    return run_dir.parent / "sweep"
+
+
 def write_sweep(
     run_dirs: list[str | Path],
     out_dir: str | Path | None = None,
@@ -208,8 +216,8 @@ def write_sweep(
 ) -> dict[str, Path]:
     """Write sweep.md, sweep.csv, sweep.png; returns ``{file name: path}``.
 
-    ``out_dir`` defaults to ``<common parent of run_dirs>/sweep``; ``include``: earlier sweep.csv
-    files merged in (``merge_tables``).
+    ``out_dir`` defaults to ``default_out_dir(run_dirs)``; ``include``: earlier sweep.csv files
+    merged in (``merge_tables``).
     """
     if isinstance(run_dirs, (str, Path)):
         run_dirs = [run_dirs]
@@ -222,10 +230,7 @@ def write_sweep(
         earlier.append(pd.read_csv(path))
     table = merge_tables(sweep_table(run_dirs), earlier)
     groups = lr_sensitivity(table)
-    if out_dir is None:
-        common = Path(os.path.commonpath([str(Path(p).resolve()) for p in run_dirs]))
-        out_dir = common / "sweep"
-    out = Path(out_dir)
+    out = Path(out_dir) if out_dir is not None else default_out_dir(run_dirs)
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / name for name in ("sweep.md", "sweep.csv", "sweep.png")}
     score = groups.set_index(["variant", "seed"])["lr_sensitivity"]
@@ -262,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "run_dirs", nargs="+", metavar="RUN_DIR", help="run dirs or a folder of them"
     )
-    parser.add_argument("--out", default=None, help="output folder (default <common parent>/sweep)")
+    parser.add_argument(
+        "--out", default=None, help="output folder (default: sweep/ beside the first run)"
+    )
     parser.add_argument(
         "--include", action="append", default=[], metavar="CSV", help="an earlier sweep.csv"
     )

@@ -16,8 +16,8 @@ import time
 import torch
 import triton
 
-from kernels.bench_attention import make_inputs
 from stabilitylab.kernels import sigmoid_attention
+from stabilitylab.kernels.bench_attention import make_inputs
 from stabilitylab.kernels.sigmoid_attention import TANH_F32, launch_forward
 
 SHAPES = [

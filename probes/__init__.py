@@ -1,9 +1,10 @@
-"""Probes of attention: Jacobians and Lipschitz bounds; the KV-eviction study's diagnostics.
+"""Probes of attention (library; the scripts are in experiments/probes/).
 
 - ``jacobian``: pure maths: score maps, toy attention layer, exact Jacobians, power iteration.
-- ``sweeps``: the tables behind the scripts (``score_map.py``, ``attention_layer.py``,
-  ``estimator_check.py``; run them as ``python probes/<name>.py``).
-- ``live``: ``JacobianProbe``, the in-training probe; ``live_cost.py`` measures its overhead.
+- ``sweeps``: the tables behind ``experiments/probes/score_map.py``, ``attention_layer.py`` and
+  ``estimator_check.py``.
+- ``live``: ``JacobianProbe``, the in-training probe; ``experiments/probes/live_cost.py``
+  measures its overhead.
 - ``masked_attention``: a tiny n x n softmax/sigmoid attention with explicit weights, padding,
   causal mask, per-key bias and removed keys; the eviction probes compute on it.
 - ``support_removal``: random K/V removal (first four positions kept) and the relative change

@@ -30,8 +30,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from stabilitylab.attention import get_backend
 from stabilitylab.probes.jacobian import power_iteration_spectral_norm
 
-# Cadence and window that keep the amortised cost under 2% of training (probes/live_cost.py:
-# one measurement costs 0.9-1.2 smoke-preset steps on CPU, <0.7 of a proxy step at batch 4).
+# Cadence and window that keep the amortised cost under 2% of training (measured with
+# experiments/probes/live_cost.py: one measurement costs 0.9-1.2 smoke-preset steps on CPU, <0.7
+# of a proxy step at batch 4).
 RECOMMENDED_EVERY = 200
 RECOMMENDED_TOKENS = 256
 

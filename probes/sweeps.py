@@ -64,6 +64,23 @@ def score_map_table(ns: list[int], scales: list[float], rows: int, seed: int = 0
     return pd.DataFrame(out)
 
 
+def score_map_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (kind, n, scale) of ``score_map_table``: median and max spectral norm, the
+    largest entry, off-diagonal entry and closed-form error, the median max |score|."""
+    return (
+        df.groupby(["kind", "n", "scale"])
+        .agg(
+            sigma_median=("sigma", "median"),
+            sigma_max=("sigma", "max"),
+            max_entry=("max_entry", "max"),
+            max_offdiag=("max_offdiag", "max"),
+            closed_form_err=("closed_form_err", "max"),
+            max_abs_score=("max_abs_score", "median"),
+        )
+        .reset_index()
+    )
+
+
 def _layer_rows(n: int, scale: float, dim: int, head_dim: int, gen: torch.Generator) -> list[dict]:
     """One draw of (x, W) at one (n, scale): the four variants share the same x and W."""
     w = toy_weights(dim, head_dim, gen)

@@ -1,17 +1,20 @@
 """Typed configuration: a dataclass tree, presets, and command-line overrides.
 
     python experiments/stress_8k.py --preset smoke --train.lr=3e-3 --arm softmax
+    python experiments/stress_8k.py --preset smoke --help     # every key, with smoke's defaults
 
-Every field is checked in ``__post_init__``; an unknown key or a bad value stops the program before
+A preset sets every default; ``--section.key=value`` overrides one key. Every field is checked in
+``__post_init__`` (numbers must be finite); an unknown key or a bad value stops the program before
 any work, naming the key. Stress knobs (learning-rate scale, warmup, context, depth/width, init
 scale, QK-LayerNorm, sigmoid bias, clipping) are plain fields with the paper's values as defaults.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
+import math
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Literal
@@ -19,8 +22,13 @@ from typing import Literal
 N_SPECIAL_TOKENS = 3  # PAD=0, MASK=1, CLS=2; gene g has token id g + 3
 
 
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the key."""
+class ConfigError(Exception):
+    """A configuration value is invalid; the message names the key.
+
+    Not a ValueError on purpose: tyro draws its own multi-line box for a ValueError raised while
+    it builds the config; this one reaches the entry point, which prints it on one line
+    (``stabilitylab.cli.cli_errors``).
+    """
 
 
 def _check(ok: bool, key: str, msg: str) -> None:
@@ -28,15 +36,35 @@ def _check(ok: bool, key: str, msg: str) -> None:
         raise ConfigError(f"config {key}: {msg}")
 
 
+def check_finite(obj: object, prefix: str) -> None:
+    """Refuse NaN and infinity in every float field of the dataclass ``obj`` (None passes).
+
+    Generic so that a field added later is covered without a line of its own: an infinite lr
+    or a NaN bias would otherwise pass the range checks (``inf > 0``) or have none, and show up
+    as a "divergence" at step 1.
+    """
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"config {prefix}{f.name}: must be a finite number, got {v}")
+
+
 @dataclass
 class ModelConfig:
     n_layers: int = 12
+    """Transformer blocks."""
     d_model: int = 768
+    """Width of the residual stream."""
     n_heads: int = 12
+    """Attention heads per block; head_dim = d_model / n_heads."""
     d_ff: int = 3072
+    """Hidden width of each block's feed-forward layer."""
     dropout: float = 0.02
+    """Dropout on the embeddings and on each block's attention and feed-forward outputs."""
     ln_eps: float = 1e-5
+    """LayerNorm epsilon."""
     init_std: float = 0.02
+    """Standard deviation of the normal initialisation of every weight matrix and embedding."""
     init_scale: float = 1.0
     """Stress knob: multiplies init_std for every weight."""
     qk_layernorm: bool = False
@@ -45,6 +73,7 @@ class ModelConfig:
     """Stress knob: sigmoid bias b; None means b = -log(n_valid) per sequence."""
 
     def __post_init__(self) -> None:
+        check_finite(self, "model.")
         for k in ("n_layers", "d_model", "n_heads", "d_ff"):
             _check(getattr(self, k) > 0, f"model.{k}", f"must be positive, got {getattr(self, k)}")
         _check(
@@ -65,24 +94,32 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: Literal["synthetic", "h5ad"] = "synthetic"
+    """Where cells come from: the synthetic generator, or an AnnData .h5ad file (h5ad_path)."""
     h5ad_path: str | None = None
     """Path to an AnnData .h5ad file (source=h5ad); genes come from var_names."""
+    h5ad_layer: str = "X"
+    """Matrix of the .h5ad file that holds the counts: X, raw (.raw.X), or a name in .layers."""
     context_len: int = 8192
     """Stress knob: maximum tokens per cell (the top-expressed genes, in rank order)."""
     n_genes: int = 44_000
     """Gene vocabulary of the synthetic generator (h5ad: taken from the file)."""
     n_cell_types: int = 64
+    """Synthetic cell types; each activates its own mix of programs."""
     n_programs: int = 256
+    """Synthetic co-regulated gene programs."""
     genes_per_program: int = 400
+    """Genes drawn into each synthetic program (programs overlap)."""
     min_genes: int = 256
     """Fewest expressed genes a synthetic cell keeps (lengths are jagged up to context_len)."""
     mask_prob: float = 0.15
+    """Chance that a token is picked for prediction (BERT: 80% MASK, 10% random, 10% kept)."""
     dispersion: float = 2.0
     """Negative-binomial shape r (smaller = more over-dispersed)."""
     dropout_rate: float = 0.3
     """Extra zero-inflation: chance an expressed gene is not captured."""
 
     def __post_init__(self) -> None:
+        check_finite(self, "data.")
         _check(self.context_len >= 2, "data.context_len", f"must be >= 2, got {self.context_len}")
         _check(self.n_genes >= 8, "data.n_genes", f"must be >= 8, got {self.n_genes}")
         _check(
@@ -102,6 +139,11 @@ class DataConfig:
         )
         _check(self.dispersion > 0, "data.dispersion", "must be positive")
         _check(0.0 <= self.dropout_rate < 1.0, "data.dropout_rate", "must be in [0, 1)")
+        _check(
+            bool(self.h5ad_layer) and self.h5ad_layer.strip() == self.h5ad_layer,
+            "data.h5ad_layer",
+            f"must be X, raw or the name of a layer, got {self.h5ad_layer!r}",
+        )
         if self.source == "h5ad":
             _check(bool(self.h5ad_path), "data.h5ad_path", "is required when data.source=h5ad")
 
@@ -109,21 +151,29 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = 80_000
+    """Optimizer steps."""
     global_batch: int = 256
+    """Sequences per optimizer step, over all processes."""
     micro_batch: int = 1
     """Sequences per process per forward; accumulation = global_batch / (micro_batch * processes)."""
     lr: float = 1e-4
+    """Peak learning rate of AdamW (before lr_scale)."""
     lr_scale: float = 1.0
     """Stress knob: multiplies lr."""
     warmup_steps: int = 10_000
     """Stress knob: linear warmup length, then constant."""
     weight_decay: float = 0.1
+    """Decoupled weight decay on matrices and embeddings (biases and LayerNorm gains: none)."""
     beta1: float = 0.9
+    """AdamW first-moment decay."""
     beta2: float = 0.999
+    """AdamW second-moment decay."""
     eps: float = 1e-8
+    """AdamW denominator epsilon."""
     clip_grad: float | None = None
     """Stress knob: max global grad norm; None (stress presets) = no clipping."""
     seed: int = 42
+    """Seed of the weights, the data order and the masks (both arms share it)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 autocast on CUDA, fp32 on CPU."""
     on_divergence: Literal["stop", "continue"] = "stop"
@@ -136,9 +186,17 @@ class TrainConfig:
     """Peak dense bf16 TFLOPS for MFU; None = from the GPU name (H100/H200: 989)."""
 
     def __post_init__(self) -> None:
+        check_finite(self, "train.")
         _check(self.steps > 0, "train.steps", f"must be positive, got {self.steps}")
         _check(self.global_batch > 0, "train.global_batch", "must be positive")
         _check(self.micro_batch > 0, "train.micro_batch", "must be positive")
+        # The process count is known only at launch (the trainer checks micro_batch x processes);
+        # this part is known now, so a bad pair stops before any data is read.
+        _check(
+            self.global_batch % self.micro_batch == 0,
+            "train.micro_batch",
+            f"global_batch={self.global_batch} is not a multiple of micro_batch={self.micro_batch}",
+        )
         _check(self.lr > 0, "train.lr", f"must be positive, got {self.lr}")
         _check(self.lr_scale > 0, "train.lr_scale", f"must be positive, got {self.lr_scale}")
         _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
@@ -151,6 +209,11 @@ class TrainConfig:
             self.clip_grad is None or self.clip_grad > 0, "train.clip_grad", "must be > 0 or None"
         )
         _check(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
+        _check(
+            self.peak_tflops is None or self.peak_tflops > 0,
+            "train.peak_tflops",
+            "must be > 0 or None",
+        )
 
     @property
     def peak_lr(self) -> float:
@@ -166,8 +229,8 @@ class TelemetryConfig:
     logit_every: int = 50
     """Steps between per-layer, per-head max |attention logit|. 0 = off."""
     probe_every: int = 200
-    """Steps between live Jacobian spectral-norm probes (0 = off). At 200 steps x 256 tokens the
-    measured cost is < 1% of training time (docs/THEORY.md)."""
+    """Steps between live Jacobian spectral-norm probes (0 = off).
+    At 200 steps x 256 tokens the measured cost is < 1% of training time (docs/THEORY.md)."""
     probe_samples: int = 1
     """Sequences of the batch the live probe uses."""
     probe_tokens: int = 256
@@ -175,13 +238,16 @@ class TelemetryConfig:
     probe_iters: int = 8
     """Power iterations per probe."""
     flush_secs: int = 5
+    """Seconds between flushes of the TensorBoard event file (what a live viewer sees)."""
 
     def __post_init__(self) -> None:
+        check_finite(self, "telemetry.")
         for k in ("log_every", "layer_every", "logit_every", "probe_every"):
             _check(getattr(self, k) >= 0, f"telemetry.{k}", "must be >= 0")
         _check(self.probe_samples > 0, "telemetry.probe_samples", "must be positive")
         _check(self.probe_tokens > 1, "telemetry.probe_tokens", "must be > 1")
         _check(self.probe_iters > 0, "telemetry.probe_iters", "must be positive")
+        _check(self.flush_secs > 0, "telemetry.flush_secs", "must be positive")
 
 
 ARMS = ("softmax", "sigmoid")
@@ -189,16 +255,19 @@ ARMS = ("softmax", "sigmoid")
 
 @dataclass
 class Config:
-    preset: str = "stress_8k"
+    preset: PresetName = "stress_8k"
+    """Preset that sets every default (the list above); --preset NAME --help shows NAME's."""
     name: str = "stress_8k"
     """Run name: runs go to <out_dir>/<name>/<arm>/."""
     out_dir: str = "runs"
+    """Folder that holds the runs."""
     arm: Literal["both", "softmax", "sigmoid"] = "both"
+    """Attention arm(s) to train: both runs softmax, then sigmoid, from the same weights."""
     sigmoid_backend: Literal[
         "auto", "sigmoid-reference", "sigmoid-triton", "sigmoid-triton-exact"
     ] = "auto"
-    """auto: sigmoid-triton on CUDA, sigmoid-reference on CPU. sigmoid-triton-exact: the kernel
-    with the exact sigmoid instead of the fast tanh.approx one."""
+    """auto: sigmoid-triton on CUDA, sigmoid-reference on CPU.
+    sigmoid-triton-exact: the kernel with the exact sigmoid, not the fast tanh.approx one."""
     softmax_backend: Literal["softmax", "softmax-reference"] = "softmax"
     """softmax: PyTorch SDPA (fast; its GPU backward is not bit-reproducible run to run);
     softmax-reference: eager n x n (reproducible)."""
@@ -209,9 +278,13 @@ class Config:
     report: bool = True
     """Run the analysis report over the arms at the end."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """Model shape and stress knobs."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Cells: synthetic generator or .h5ad file, context length, masking."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimizer, schedule, batch, precision, checkpoints."""
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    """What is logged and how often."""
 
     def __post_init__(self) -> None:
         _check(
@@ -224,6 +297,12 @@ class Config:
             "name",
             f"must be a plain name, got {self.name!r}",
         )
+        # Every section, including any added later, gets the finiteness check.
+        check_finite(self, "")
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if dataclasses.is_dataclass(section):
+                check_finite(section, f"{f.name}.")
 
     def arms(self) -> list[str]:
         return list(ARMS) if self.arm == "both" else [self.arm]
@@ -354,31 +433,58 @@ PRESETS = {
 }
 
 
-def parse(argv: list[str] | None = None, default_preset: str = "stress_8k") -> Config:
-    """Pick a preset (``--preset NAME``), then apply typed overrides with tyro."""
+PresetName = Literal[tuple(PRESETS)]  # the type of Config.preset: tyro lists the names in --help
+CPU_PRESETS = ("smoke",)
+"""Presets sized for a CPU; the others refuse to start without CUDA unless allow_cpu=True."""
+
+
+def preset_summary(name: str) -> str:
+    """The first sentence of a preset's docstring, on one line."""
+    doc = " ".join((PRESETS[name].__doc__ or "").split("\n\n")[0].split())
+    end = doc.find(". ")
+    return doc if end < 0 else doc[: end + 1]
+
+
+def _preset_from_argv(argv: list[str], default: str) -> str:
+    """The value of the last ``--preset NAME`` / ``--preset=NAME`` (tyro parses it again)."""
+    name = default
+    for i, a in enumerate(argv):
+        if a == "--preset":
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError("config preset: --preset needs a name")
+            name = argv[i + 1]
+        elif a.startswith("--preset="):
+            name = a.split("=", 1)[1]
+    if name not in PRESETS:
+        raise ConfigError(f"config preset: unknown preset {name!r}; choose one of {list(PRESETS)}")
+    return name
+
+
+def parse(
+    argv: list[str] | None = None, default_preset: str = "stress_8k", *, description: str = ""
+) -> Config:
+    """The config of ``--preset NAME`` (default ``default_preset``) with typed overrides.
+
+    The preset is read first because it sets every default that ``--help`` shows and the
+    overrides apply to; tyro then parses the whole line, ``--preset`` included. Raises
+    ConfigError naming the key (a bad value, an unknown preset); tyro itself exits with code 2
+    and a message on an unknown key or a value of the wrong type.
+    """
     import tyro
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--preset", default=default_preset)
-    known, rest = pre.parse_known_args(argv)
-    if known.preset not in PRESETS:
-        raise ConfigError(
-            f"config preset: unknown preset {known.preset!r}; choose one of {sorted(PRESETS)}"
-        )
-    base = PRESETS[known.preset]()
-    try:
+    base = PRESETS[_preset_from_argv(argv, default_preset)]()
+    presets = "\n".join(f"  {n:<13} {preset_summary(n)}" for n in PRESETS)
+    return tyro.cli(
+        Config,
+        default=base,
+        args=argv,
+        prog=os.path.basename(sys.argv[0]),
+        description=f"{description or __doc__.splitlines()[0]}\n\nPresets (--preset NAME):\n{presets}",
+        use_underscores=True,  # help spells keys as they are typed: --train.micro_batch
         # Booleans take a value like every other key (--model.qk_layernorm=True), not flag pairs.
-        return tyro.cli(
-            Config,
-            default=base,
-            args=rest,
-            description=__doc__,
-            config=(tyro.conf.FlagConversionOff,),
-        )
-    except ConfigError as e:
-        # tyro builds the dataclasses; a failed __post_init__ surfaces here, key named.
-        raise SystemExit(f"error: {e}") from None
+        config=(tyro.conf.FlagConversionOff,),
+    )
 
 
 def dumps(cfg: Config) -> str:

@@ -1,4 +1,8 @@
+import ast
+import dataclasses
 import json
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +12,7 @@ import pytest
 from stabilitylab import config as C
 
 ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # scripts import this tree, whatever is installed
 
 
 @pytest.mark.parametrize("name", sorted(C.PRESETS))
@@ -16,17 +21,6 @@ def test_presets_build_and_round_trip(name):
     assert cfg.preset == name
     again = C.from_dict(json.loads(C.dumps(cfg)))
     assert again == cfg
-
-
-def test_stress_8k_matches_the_paper():
-    c = C.stress_8k()
-    m, t, d = c.model, c.train, c.data
-    assert (m.n_layers, m.d_model, m.n_heads, m.head_dim, m.d_ff) == (12, 768, 12, 64, 3072)
-    assert (m.dropout, m.ln_eps, m.init_std) == (0.02, 1e-5, 0.02)
-    assert (t.lr, t.weight_decay, t.beta1, t.beta2, t.eps) == (1e-4, 0.1, 0.9, 0.999, 1e-8)
-    assert (t.warmup_steps, t.steps, t.global_batch, t.seed) == (10_000, 80_000, 256, 42)
-    assert t.clip_grad is None and d.context_len == 8192 and d.mask_prob == 0.15
-    assert m.sigmoid_bias is None and not m.qk_layernorm
 
 
 def test_diverge_fast_is_the_measured_hunt_setting():
@@ -63,40 +57,158 @@ def test_overrides_are_typed():
     assert C.parse(["--preset", "smoke"]).model.sigmoid_bias is None
 
 
+def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """The training entry point's argument handling in a fresh interpreter."""
+    code = "import sys; from stabilitylab.cli import train_main; sys.exit(train_main())"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
+        env=ENV,
+    )
+
+
 @pytest.mark.parametrize(
     "args, key",
     [
         (["--train.lrr=3"], "train.lrr"),
         (["--train.lr=abc"], "train.lr"),
         (["--train.lr=-1"], "train.lr"),
+        (["--train.lr=inf"], "train.lr"),
+        (["--model.sigmoid_bias=nan"], "model.sigmoid_bias"),
+        (["--train.micro_batch=5"], "train.micro_batch"),
         (["--model.n-heads=5"], "n_heads"),
         (["--data.mask-prob=1.5"], "data.mask_prob"),
         (["--arm", "relu"], "arm"),
     ],
 )
 def test_bad_overrides_fail_naming_the_key(args, key):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from stabilitylab.config import parse; parse(sys.argv[1:])",
-            "--preset",
-            "smoke",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
-    assert proc.returncode != 0
+    proc = _cli("--preset", "smoke", *args)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
     err = proc.stderr.replace("-", "_")
     assert key.replace("-", "_") in err, proc.stderr
 
 
-def test_unknown_preset_is_named():
+def _float_fields() -> list[str]:
+    """``section.key`` of every float field (``float`` or ``float | None``) of every section."""
+    keys = []
+    for section in dataclasses.fields(C.Config):
+        cls = getattr(C, str(section.type), None)
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            continue
+        keys += [f"{section.name}.{f.name}" for f in dataclasses.fields(cls) if "float" in f.type]
+    return keys
+
+
+def test_every_float_key_is_found():
+    keys = _float_fields()
+    assert {"train.lr", "model.sigmoid_bias", "train.clip_grad", "data.mask_prob"} <= set(keys)
+
+
+@pytest.mark.parametrize("key", _float_fields())
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_nonfinite_numbers_are_refused_by_name(key, value):
+    with pytest.raises(C.ConfigError, match=rf"config {key}: must be a finite number"):
+        C.parse(["--preset", "smoke", f"--{key}={value}"])
+
+
+def test_a_section_added_later_is_checked_too():
+    @dataclasses.dataclass
+    class Extra:
+        tau: float = 0.5
+
+    @dataclasses.dataclass
+    class WithExtra(C.Config):
+        extra: Extra = dataclasses.field(default_factory=Extra)
+
+    with pytest.raises(C.ConfigError, match="config extra.tau: must be a finite number"):
+        WithExtra(preset="smoke", extra=Extra(tau=math.nan))
+
+
+def test_micro_batch_must_divide_global_batch_before_any_work():
+    with pytest.raises(C.ConfigError, match="train.micro_batch.*global_batch=16"):
+        C.parse(["--preset", "smoke", "--train.micro_batch=5"])
+    assert C.parse(["--preset", "smoke", "--train.micro_batch=4"]).train.micro_batch == 4
+
+
+def _field_docstrings() -> dict[str, str]:
+    """``Class.field -> docstring`` of the config dataclasses, read from the source."""
+    tree = ast.parse(Path(C.__file__).read_text())
+    docs = {}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        body = cls.body
+        for stmt, nxt in zip(body, body[1:] + [None], strict=True):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                doc = nxt.value.value if isinstance(nxt, ast.Expr) else None
+                docs[f"{cls.name}.{stmt.target.id}"] = doc if isinstance(doc, str) else ""
+    return docs
+
+
+def test_help_lists_the_presets_and_explains_every_key(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")
+    with pytest.raises(SystemExit) as exit_info:
+        C.parse(["--preset", "smoke", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.replace("\u2502", " ").split())
+    for name in C.PRESETS:
+        assert f"{name} {C.preset_summary(name)}" in text
+    assert "--preset {" + ",".join(C.PRESETS) + "}" in text
+    sections = {
+        f.name: type(getattr(C.Config(), f.name)).__name__ for f in dataclasses.fields(C.Config)
+    }
+    classes = {cls: section for section, cls in sections.items() if cls.endswith("Config")}
+    docs = _field_docstrings()
+    for key, doc in docs.items():
+        cls, name = key.split(".")
+        if cls != "Config" and cls not in classes:
+            continue
+        flag = f"--{name}" if cls == "Config" else f"--{classes[cls]}.{name}"
+        assert doc, f"{key} has no docstring, so --help says nothing about {flag}"
+        assert flag in text
+        assert " ".join(doc.split())[:40] in text, key
+    assert "(default: 16)" in text  # smoke's global_batch: the chosen preset's values
+
+
+def test_unknown_preset_is_one_line_before_any_work():
     with pytest.raises(C.ConfigError, match="bogus"):
         C.parse(["--preset", "bogus"])
+    proc = _cli("--preset", "bogus")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: config preset: unknown preset 'bogus'")
+    assert proc.stderr.count("\n") == 1 and all(p in proc.stderr for p in C.PRESETS)
+
+
+def test_data_errors_are_one_line_before_any_work(tmp_path):
+    proc = _cli(
+        "--preset", "smoke", "--data.source=h5ad", f"--data.h5ad_path={tmp_path / 'nope.h5ad'}",
+        f"--out_dir={tmp_path / 'runs'}",
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        proc.stderr.strip().splitlines()[-1]
+        == f"error: h5ad file not found: {tmp_path / 'nope.h5ad'}"
+    )
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_cli_errors_turns_our_errors_into_one_line(capsys):
+    from stabilitylab.cli import cli_errors
+    from stabilitylab.data import DataError
+
+    for err in (
+        DataError("h5ad file x.h5ad: X holds negative values"),
+        C.ConfigError("config a: b"),
+    ):
+        with pytest.raises(SystemExit) as exit_info, cli_errors():
+            raise err
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err == f"error: {err}\n"
+    with pytest.raises(KeyError), cli_errors():
+        raise KeyError("a bug keeps its traceback")
 
 
 def test_stress_script_refuses_without_cuda_and_names_cpu_preset():
@@ -110,6 +222,73 @@ def test_stress_script_refuses_without_cuda_and_names_cpu_preset():
         text=True,
         cwd=ROOT,
         timeout=60,
+        env=ENV,
     )
     assert proc.returncode == 2
     assert "--preset smoke" in proc.stderr and "CUDA" in proc.stderr
+
+
+# ---- packaging ---------------------------------------------------------------------------------
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_every_package_folder_is_installed():
+    """A subpackage missing from the list installs nowhere with ``pip install .`` (not editable)."""
+    tool = _pyproject()["tool"]["setuptools"]
+    found = set()
+    for package, folder in tool["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            found.add(".".join([package, *init.parent.relative_to(ROOT / folder).parts]))
+    assert found == set(tool["packages"])
+
+
+def test_console_entry_points_resolve_and_answer_help(capsys):
+    import importlib
+
+    scripts = _pyproject()["project"]["scripts"]
+    assert {"stabilitylab-train", "stabilitylab-report", "stabilitylab-sweep"} <= set(scripts)
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        main = getattr(importlib.import_module(module), func)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--help"])
+        assert exit_info.value.code == 0, name
+        assert "usage:" in capsys.readouterr().out, name
+
+
+def test_requires_python_matches_the_lock():
+    """Every pin of requirements/cpu.txt admits the lowest Python the project claims, and at
+    least one excludes the minor below it (else the claim could be lower)."""
+    import importlib.metadata as md
+
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    claimed = SpecifierSet(_pyproject()["project"]["requires-python"])
+    (low,) = [Version(s.version) for s in claimed if s.operator == ">="]
+    below = Version(f"{low.major}.{low.minor - 1}")
+    pins = [
+        line.split("==")
+        for line in (ROOT / "requirements" / "cpu.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    excluding, checked = [], 0
+    for name, version in pins:
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue
+        if dist.version != version or not dist.metadata.get("Requires-Python"):
+            continue
+        spec = SpecifierSet(dist.metadata["Requires-Python"])
+        checked += 1
+        assert spec.contains(f"{low}.0"), f"{name}=={version} needs Python {spec}"
+        if not spec.contains(f"{below}.99"):
+            excluding.append(name)
+    assert checked > 20, "too few pins are installed here to judge"
+    assert excluding, f"no pin needs more than Python {below}: requires-python could be lower"

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
-from stabilitylab.config import N_SPECIAL_TOKENS, DataConfig, proxy, smoke
+from stabilitylab.config import N_SPECIAL_TOKENS, ConfigError, DataConfig, proxy, smoke
 from stabilitylab.data import (
     IGNORE_LABEL,
     MASK_ID,
     PAD_ID,
     Batch,
     DataError,
+    FewCellsWarning,
     build_source,
     make_batch,
     rank_value_order,
@@ -328,6 +331,63 @@ def test_h5ad_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "anndata", None)
     with pytest.raises(ImportError, match=r"stabilitylab\[bio\]"):
         build_source(_h5ad_cfg(ok), seed=0)
+
+
+def _scaled_with_counts(path, rng) -> tuple[str, np.ndarray]:
+    """A file as scanpy leaves it: X scaled (negative values), counts in .raw and layers."""
+    anndata = pytest.importorskip("anndata")
+    counts = rng.negative_binomial(1.0, 0.5, size=(12, 9)).astype(np.float32)
+    counts[:, 0] += 1  # every cell expresses a gene
+    adata = anndata.AnnData(X=counts.copy())
+    adata.var_names = [f"g{j}" for j in range(9)]
+    adata.raw = adata.copy()
+    adata.layers["counts"] = counts.copy()
+    logged = np.log1p(counts)
+    adata.X = (logged - logged.mean(axis=0)) / (logged.std(axis=0) + 1e-6)
+    adata.write_h5ad(path)
+    return str(path), counts
+
+
+def test_h5ad_scaled_X_names_the_layer_that_holds_counts(tmp_path):
+    path, counts = _scaled_with_counts(tmp_path / "scaled.h5ad", np.random.default_rng(0))
+    with pytest.raises(DataError, match=r"X holds negative values.*--data\.h5ad_layer=raw"):
+        build_source(_h5ad_cfg(path), seed=0)
+    expected = _expected_cells(counts, 64)
+    for layer in ("raw", "counts"):
+        cfg = dataclasses.replace(_h5ad_cfg(path), h5ad_layer=layer)
+        source = build_source(cfg, seed=0)
+        assert source.gene_names == [f"g{j}" for j in range(9)]
+        assert [source.cell(i).tolist() for i in range(12)] == [
+            expected[source.row_of(i)] for i in range(12)
+        ]
+    with pytest.raises(DataError, match=r"no layer 'spliced'.*\['counts'\]"):
+        build_source(dataclasses.replace(_h5ad_cfg(path), h5ad_layer="spliced"), seed=0)
+
+
+def test_h5ad_layer_is_validated_at_config_time():
+    with pytest.raises(ConfigError, match="data.h5ad_layer"):
+        DataConfig(h5ad_layer="")
+
+
+def test_not_an_anndata_file_is_a_data_error(tmp_path):
+    bad = tmp_path / "notes.h5ad"
+    bad.write_text("not hdf5")
+    with pytest.raises(DataError, match=r"notes\.h5ad \(not an AnnData file\?\)"):
+        build_source(_h5ad_cfg(str(bad)), seed=0)
+
+
+def test_fewer_cells_than_a_batch_warn_once_naming_file_and_count(tmp_path):
+    one = _write_h5ad(tmp_path / "one.h5ad", np.ones((1, 5), dtype=np.float32))
+    with pytest.warns(FewCellsWarning, match=r"one\.h5ad: only 1 usable cell"):
+        build_source(_h5ad_cfg(one), seed=0)
+    ten = _write_h5ad(tmp_path / "ten.h5ad", np.ones((10, 5), dtype=np.float32))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_source(_h5ad_cfg(ten), seed=0, global_batch=16)
+        build_source(_h5ad_cfg(ten), seed=0, global_batch=8)
+    few = [w for w in caught if issubclass(w.category, FewCellsWarning)]
+    assert len(few) == 1 and "only 10 usable cell(s)" in str(few[0].message)
+    assert "global batch of 16" in str(few[0].message)
 
 
 # ---- learnability ------------------------------------------------------------------------------

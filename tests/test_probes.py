@@ -87,7 +87,7 @@ def test_power_iteration_on_a_linear_map_is_a_rising_lower_bound():
     gen = fresh_generator()
     # Random singular vectors, and a top singular value 1.3x the next: the error then shrinks by
     # (1/1.3)^2 per step. (A plain randn matrix can have sigma_2 / sigma_1 near 1, where 200 steps
-    # fall short of 1e-6: it failed that way in a clean-clone run, session 7.)
+    # fall short of 1e-6.)
     U, _ = torch.linalg.qr(torch.randn(30, 20, generator=gen, dtype=F64))
     V, _ = torch.linalg.qr(torch.randn(20, 20, generator=gen, dtype=F64))
     s = torch.rand(20, generator=gen, dtype=F64).sort(descending=True).values + 0.1
@@ -234,8 +234,8 @@ def test_live_probe_matches_exact_jacobian_of_each_layer(backend, qk_layernorm):
 
 
 def test_every_attention_backend_has_a_differentiable_path():
-    from probes.live import _DIFFERENTIABLE_BACKEND
     from stabilitylab.attention import available
+    from stabilitylab.probes.live import _DIFFERENTIABLE_BACKEND
 
     assert set(available()) <= set(_DIFFERENTIABLE_BACKEND)
     assert set(_DIFFERENTIABLE_BACKEND.values()) <= set(available())
@@ -316,3 +316,32 @@ def test_live_probe_on_cuda_matches_reference_backend():
     b = probe.measure(ref, tokens_BT.cuda(), lengths_B.cuda())
     assert torch.equal(torch.cuda.get_rng_state(), rng)
     assert a == pytest.approx(b, rel=1e-4)
+
+
+def test_code_imports_only_the_stabilitylab_names():
+    """``import probes`` works only with the repository root on the path (plain ``pytest`` then
+    fails); the packages must not reach into experiments/ either."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    folders = {"kernels", "probes", "analysis", "experiments"}
+    bad = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if rel.parts[0] in {"results", ".venv", "build"} or rel.parts[0].startswith("."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(rel))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")
+                if top[0] in folders or (
+                    rel.parts[0] in {"kernels", "probes", "analysis", "stabilitylab"}
+                    and top[:2] == ["stabilitylab", "experiments"]
+                ):
+                    bad.append(f"{rel}:{node.lineno}: {name}")
+    assert not bad, "\n".join(bad)

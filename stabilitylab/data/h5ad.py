@@ -11,10 +11,13 @@ and the cell's tokens are its genes with ``x_cg > 0`` sorted by ``score_cg`` (hi
 ties by gene id), truncated to ``context_len``. Dividing by the cell total does not change the
 order within a cell; it matters for ``median_g``, which is taken over size-normalised cells.
 
-Limits: the whole matrix is read into memory (no backed mode); X must hold non-negative counts
-or normalised expression (dense, or scipy CSR/CSC). Cells with no expressed gene are skipped
-and counted in ``skipped_cells``. Sample index i maps to epoch ``i // len(source)`` and, within
-it, to a cell of a seed-dependent permutation drawn fresh per epoch.
+The matrix is X by default; ``layer="raw"`` reads ``.raw.X`` (and its genes), any other name an
+entry of ``.layers``. Limits: the whole matrix is read into memory (no backed mode); it must hold
+non-negative counts or normalised expression (dense, or scipy CSR/CSC); scaled data (negative
+values) is refused, naming a layer of the file without negative values when there is one.
+Cells with no expressed gene are skipped and counted in ``skipped_cells``. Sample index i maps
+to epoch ``i // len(source)`` and, within it, to a cell of a seed-dependent permutation drawn
+fresh per epoch.
 """
 
 from __future__ import annotations
@@ -62,15 +65,83 @@ def nonzero_median_per_column(indptr_G: np.ndarray, values_N: np.ndarray) -> np.
     return median_G
 
 
+def _matrix(adata, layer: str, path: str):
+    """``(matrix, its name for messages, gene names)`` of the layer the config names."""
+    if layer == "X":
+        return adata.X, "X", adata.var_names
+    if layer == "raw":
+        if adata.raw is None:
+            raise DataError(f"h5ad file {path} has no .raw (data.h5ad_layer=raw)")
+        return adata.raw.X, ".raw.X", adata.raw.var_names
+    if layer not in adata.layers:
+        raise DataError(
+            f"h5ad file {path} has no layer {layer!r} (data.h5ad_layer); it has X, "
+            + ("raw, " if adata.raw is not None else "")
+            + f"and layers {list(adata.layers)}"
+        )
+    return adata.layers[layer], f"layers[{layer!r}]", adata.var_names
+
+
+def _holds_negatives(M) -> bool:
+    import scipy.sparse as sp
+
+    values = M.data if sp.issparse(M) else np.asarray(M)
+    return bool(values.size) and bool(np.nanmin(values) < 0)
+
+
+def _count_layers(adata, skip: str) -> list[str]:
+    """The ``data.h5ad_layer`` values, other than ``skip``, whose matrix has no negative value."""
+    names = ["X"] if skip != "X" and not _holds_negatives(adata.X) else []
+    if skip != "raw" and adata.raw is not None and not _holds_negatives(adata.raw.X):
+        names.append("raw")
+    names += [k for k in adata.layers if k != skip and not _holds_negatives(adata.layers[k])]
+    return names
+
+
+def _csr_counts(adata, layer: str, path: str):
+    """The chosen matrix as float64 CSR without stored zeros, checked; and its gene names."""
+    import scipy.sparse as sp
+
+    M, what, var_names = _matrix(adata, layer, path)
+    if M is None:
+        raise DataError(f"h5ad file {path} has no expression matrix {what}")
+    if M.shape[0] == 0 or M.shape[1] == 0:
+        raise DataError(f"h5ad file {path} has an empty {what} of shape {M.shape}")
+    if not (sp.issparse(M) or isinstance(M, np.ndarray)):
+        raise DataError(
+            f"h5ad file {path}: {what} of type {type(M).__name__} is not supported "
+            "(dense array or scipy CSR/CSC)"
+        )
+    M = sp.csr_matrix(M, dtype=np.float64)
+    M.eliminate_zeros()
+    if M.nnz == 0:
+        raise DataError(f"h5ad file {path}: {what} has no expression values (all zero)")
+    if not np.all(np.isfinite(M.data)):
+        raise DataError(f"h5ad file {path}: {what} holds NaN or infinite values")
+    if np.any(M.data < 0):
+        # Scaled or log-normalised data: the counts are often kept beside it.
+        other = _count_layers(adata, skip=layer)
+        hint = ""
+        if other:
+            name = {"X": "X", "raw": ".raw.X"}.get(other[0], f"layers[{other[0]!r}]")
+            hint = f"; {name} has none (counts?): use --data.h5ad_layer={other[0]}"
+        raise DataError(
+            f"h5ad file {path}: {what} holds negative values (scaled or log-normalised?); "
+            f"counts expected{hint}"
+        )
+    return M, [str(g) for g in var_names]
+
+
 class H5adSource(CellSource):
     """Rank-value encoded cells of one ``.h5ad`` file."""
 
-    def __init__(self, path: str | os.PathLike, seed: int, *, context_len: int):
+    def __init__(self, path: str | os.PathLike, seed: int, *, context_len: int, layer: str = "X"):
         self.path = os.fspath(path)
         self.seed = check_seed(seed)
         if context_len < 1:
             raise ValueError(f"context_len must be >= 1, got {context_len}")
         self.context_len = int(context_len)
+        self.layer = layer
         if not os.path.isfile(self.path):
             raise DataError(f"h5ad file not found: {self.path}")
         anndata = _import_anndata()
@@ -79,27 +150,12 @@ class H5adSource(CellSource):
         try:
             adata = anndata.read_h5ad(self.path)
         except Exception as e:  # h5py / anndata raise many types for a corrupt file
-            raise DataError(f"cannot read h5ad file {self.path}: {e}") from e
-        if adata.X is None:
-            raise DataError(f"h5ad file {self.path} has no expression matrix X")
-        n_cells, n_genes = adata.shape
-        if n_cells == 0 or n_genes == 0:
-            raise DataError(f"h5ad file {self.path} has an empty X of shape {adata.shape}")
-
-        X = adata.X
-        if not (sp.issparse(X) or isinstance(X, np.ndarray)):
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise DataError(
-                f"h5ad file {self.path}: X of type {type(X).__name__} is not supported "
-                "(dense array or scipy CSR/CSC)"
-            )
-        X = sp.csr_matrix(X, dtype=np.float64)
-        X.eliminate_zeros()
-        if X.nnz == 0:
-            raise DataError(f"h5ad file {self.path}: X has no expression values (all zero)")
-        if not np.all(np.isfinite(X.data)):
-            raise DataError(f"h5ad file {self.path}: X holds NaN or infinite values")
-        if np.any(X.data < 0):
-            raise DataError(f"h5ad file {self.path}: X holds negative values; counts expected")
+                f"cannot read h5ad file {self.path} (not an AnnData file?): {first}"
+            ) from None
+        X, self.gene_names = _csr_counts(adata, layer, self.path)
+        n_cells, self.n_genes = X.shape
 
         total_C = np.asarray(X.sum(axis=1)).ravel()
         kept_C = np.flatnonzero(total_C > 0)
@@ -114,9 +170,6 @@ class H5adSource(CellSource):
         X.sort_indices()
         csc = X.tocsc()
         self.median_G = nonzero_median_per_column(csc.indptr, csc.data)
-
-        self.n_genes = int(n_genes)
-        self.gene_names = [str(g) for g in adata.var_names]
         self._indptr, self._indices, self._values = X.indptr, X.indices.astype(np.int64), X.data
         self._cells = int(kept_C.shape[0])
         self._orders: dict[int, np.ndarray] = {}

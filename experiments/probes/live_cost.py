@@ -1,7 +1,7 @@
 """Cost of the live Jacobian probe against a training step, on this machine.
 
-    python probes/live_cost.py --preset smoke
-    python probes/live_cost.py --preset proxy --batch 8 --length 1024
+    python experiments/probes/live_cost.py --preset smoke
+    python experiments/probes/live_cost.py --preset proxy --batch 8 --length 1024
 
 Times one ``JacobianProbe.measure`` and one training step (forward + backward + AdamW) on the same
 random batch, per attention arm, and prints the amortised overhead ``probe / (every * step)`` for a

@@ -1,6 +1,6 @@
 """Jacobian of the score map alone: softmax(s) vs sigmoid(s - log n), one row of scores.
 
-    python probes/score_map.py            # ~20 s on a laptop CPU; writes results/probes/score_map.{csv,png}
+    python experiments/probes/score_map.py            # ~20 s on a laptop CPU; writes results/probes/score_map.{csv,png}
 
 Expected: sigmoid's Jacobian is diagonal (off-diagonal entries exactly 0) with entries <= 1/4;
 softmax's is dense and equals diag(p) - p p^T to rounding. Both spectral norms stay bounded as the
@@ -22,22 +22,7 @@ import seaborn as sns
 import torch
 
 from stabilitylab.probes.jacobian import exact_jacobian, score_probs
-from stabilitylab.probes.sweeps import score_map_table
-
-
-def summarise(df):
-    return (
-        df.groupby(["kind", "n", "scale"])
-        .agg(
-            sigma_median=("sigma", "median"),
-            sigma_max=("sigma", "max"),
-            max_entry=("max_entry", "max"),
-            max_offdiag=("max_offdiag", "max"),
-            closed_form_err=("closed_form_err", "max"),
-            max_abs_score=("max_abs_score", "median"),
-        )
-        .reset_index()
-    )
+from stabilitylab.probes.sweeps import score_map_summary, score_map_table
 
 
 def plot(df, heat_n: int, heat_scale: float, seed: int, path: Path) -> None:
@@ -74,7 +59,7 @@ def main() -> None:
     if max(args.ns) > 64 or min(args.ns) < 2:
         raise SystemExit("error: --ns must lie in [2, 64] (exact Jacobians at toy sizes)")
     df = score_map_table(args.ns, args.scales, args.rows, args.seed)
-    table = summarise(df)
+    table = score_map_summary(df)
     with np.printoptions(precision=3):
         print(table.to_string(index=False, float_format="{:.3g}".format))
     sig, soft = df[df.kind == "sigmoid"], df[df.kind == "softmax"]

@@ -1,6 +1,6 @@
 """Power iteration (JVP/VJP only) vs the exact spectral norm, on toy attention layers.
 
-    python probes/estimator_check.py      # ~20 s on a laptop CPU; writes results/probes/estimator_check.{csv,png}
+    python experiments/probes/estimator_check.py      # ~20 s on a laptop CPU; writes results/probes/estimator_check.{csv,png}
 
 Cases: softmax / sigmoid, QK-LN off / on, n in {8, 32}, input scales 0.3 .. 10. For each, the
 relative error after a fixed number of iterations. Expected: within 1% of exact everywhere at

@@ -1,6 +1,6 @@
 """Jacobian of a whole toy attention layer, x -> P(x W_Q (x W_K)^T / sqrt(d)) x W_V, w.r.t. x.
 
-    python probes/attention_layer.py      # ~30 s on a laptop CPU; writes results/probes/attention_layer.{csv,png}
+    python experiments/probes/attention_layer.py      # ~30 s on a laptop CPU; writes results/probes/attention_layer.{csv,png}
 
 Exact spectral norms (autograd, float64) for softmax and sigmoid (b = -log n), QK-LayerNorm off
 and on, (a) as the input scale grows at n = 16, so scores grow like scale^2, and (b) as n grows at
