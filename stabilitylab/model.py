@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from stabilitylab.attention import get_backend
 from stabilitylab.config import N_SPECIAL_TOKENS, ModelConfig
+from stabilitylab.kernels.reference import key_mask_BT
 
 GATE_EPS = 1e-8  # log(g + eps) on the logits: the paper's epsilon
 
@@ -294,9 +295,7 @@ def gate_mean(gates: Sequence[torch.Tensor], lengths_B: torch.Tensor) -> torch.T
     this is also the mean of the per-layer means. 0 when there are no gates."""
     if len(gates) == 0:
         return torch.zeros((), device=lengths_B.device)
-    valid_BT = (
-        torch.arange(gates[0].shape[-1], device=lengths_B.device)[None, :] < lengths_B[:, None]
-    )
+    valid_BT = key_mask_BT(lengths_B, gates[0].shape[-1])
     per_layer = []
     for g in gates:
         g_BHT = g if g.dim() == 3 else g[:, None, :]
