@@ -39,6 +39,7 @@ RECOMMENDED_TOKENS = 256
 # Backend the probe differentiates through, for each backend the model may use.
 _DIFFERENTIABLE_BACKEND = {
     "softmax": "softmax",
+    "softmax-flex": "softmax",
     "softmax-reference": "softmax-reference",
     "sigmoid-reference": "sigmoid-reference",
     "sigmoid-triton": "sigmoid-reference",

@@ -2,20 +2,38 @@
 
 Every backend is called as::
 
-    out_BHTD, max_logit_BH = backend(q_BHTD, k_BHTD, v_BHTD, lengths_B,
+    out_BHTD, max_logit_BH = backend(q_BHTD, k_BHTD, v_BHTD, lengths_B, *,
+                                     causal=False, key_bias_BT=None, key_bias_BHT=None,
                                      sigmoid_bias=None, return_max_logit=False)
 
 - ``lengths_B``: valid tokens per sequence (right padding); padded keys contribute nothing and
   padded query rows of ``out_BHTD`` are zero.
-- ``sigmoid_bias``: ``None`` means ``b = -log(n_valid)`` per sequence; a float is used as is.
+- ``causal``: query ``i`` sees keys ``j <= i`` only (the decoder).
+- ``key_bias_BT`` / ``key_bias_BHT``: an additive bias on every query's logit for key ``j``,
+  shared by the heads or one per head (the KV-eviction gate's ``log(g_j + eps)``); at most one
+  of the two; differentiable. The gate's value scaling ``g_j v_j`` happens in the model.
+- ``sigmoid_bias``: ``None`` means ``b = -log(n_valid)`` per sequence (also under ``causal``:
+  the lab's choice, see ``kernels/reference.py::sigmoid_bias_B``); a float is used as is.
   Softmax ignores it.
-- ``max_logit_BH``: when asked, the exact ``max |q.k|/sqrt(d)`` over valid pairs (float32,
-  detached), else ``None``. The backend returns it so a fused kernel can produce it for free.
+- ``max_logit_BH``: when asked, the exact ``max |q.k|/sqrt(d)`` over valid (and, under
+  ``causal``, visible) pairs, no bias in it (float32, detached), else ``None``. The backend
+  returns it so a fused kernel can produce it for free.
 
-Backends: ``softmax`` (PyTorch SDPA with a key-padding mask: the machine's best fused kernel
-serves), ``softmax-reference`` and ``sigmoid-reference`` (plain PyTorch, n x n: slow, but
-reproducible bit for bit on a GPU, which SDPA's backward is not), ``sigmoid-triton``
-(stabilitylab.kernels) and ``sigmoid-triton-exact`` (the same with the exact sigmoid).
+A backend that cannot honour an argument refuses it by name (``ValueError``).
+
+Backends:
+
+- ``softmax``: PyTorch SDPA. ``is_causal`` when nothing is padded and no bias is given, a
+  boolean mask for padding/causal without a bias, else an additive float mask (bias, ``-inf``
+  where masked) of ``B x T x T`` elements for causal.
+- ``softmax-flex``: FlexAttention, a ``score_mod`` adding the key bias and a block mask for
+  causal and padding (skips fully masked tiles). Compiled on CUDA; on CPU it runs eagerly
+  (unfused, n x n) and torch has no CPU backward for it, so it is refused there when a gradient
+  is needed.
+- ``softmax-reference``, ``sigmoid-reference``: plain PyTorch, n x n; slow, but reproducible bit
+  for bit on a GPU, which SDPA's backward is not. Support everything.
+- ``sigmoid-triton`` (stabilitylab.kernels) and ``sigmoid-triton-exact`` (the same with the exact
+  sigmoid): no ``causal`` or key bias in the kernel yet; refused by name.
 """
 
 from __future__ import annotations
@@ -26,12 +44,14 @@ import torch
 import torch.nn.functional as F
 
 from stabilitylab.kernels.reference import (
+    key_bias_BH1T,
     key_mask_BT,
     max_abs_logit_reference,
     sigmoid_attention_reference,
     softmax_attention_reference,
+    visible_BTT,
 )
-from stabilitylab.kernels.triton_support import lengths_all_full
+from stabilitylab.kernels.triton_support import LastTensorMemo, lengths_all_full
 
 AttentionResult = tuple[torch.Tensor, torch.Tensor | None]
 AttentionBackend = Callable[..., AttentionResult]
@@ -57,52 +77,191 @@ def get_backend(name: str) -> AttentionBackend:
     return _BACKENDS[name]
 
 
-def max_abs_logit(q_BHTD, k_BHTD, lengths_B) -> torch.Tensor:
-    """Exact max |logit| per (batch, head) without an n x n tensor: Triton on CUDA, else chunks."""
-    if q_BHTD.is_cuda:
+def max_abs_logit(q_BHTD, k_BHTD, lengths_B, causal: bool = False) -> torch.Tensor:
+    """Exact max |logit| per (batch, head) without an n x n tensor: Triton on CUDA, else chunks.
+
+    The Triton reduction has no causal mask: causal calls take the chunked path on CUDA too.
+    """
+    if q_BHTD.is_cuda and not causal:
         from stabilitylab.kernels.logit_max import max_abs_logit as fused
 
         return fused(q_BHTD, k_BHTD, lengths_B)
-    return max_abs_logit_reference(q_BHTD, k_BHTD, lengths_B)
+    return max_abs_logit_reference(q_BHTD, k_BHTD, lengths_B, causal=causal)
+
+
+def _stats(q_BHTD, k_BHTD, lengths_B, causal, return_max_logit) -> torch.Tensor | None:
+    return max_abs_logit(q_BHTD, k_BHTD, lengths_B, causal) if return_max_logit else None
+
+
+def _zero_padded_rows(out_BHTD: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
+    valid_BT = key_mask_BT(lengths_B, out_BHTD.shape[2])
+    return out_BHTD * valid_BT[:, None, :, None].to(out_BHTD.dtype)
+
+
+# ---- softmax: SDPA ----------------------------------------------------------------------------
+
+
+def sdpa_mask(lengths_B, T: int, causal: bool, bias_BH1T, dtype) -> torch.Tensor | None:
+    """SDPA's ``attn_mask`` for padding, causality and a key bias: ``None`` when only causality
+    (or nothing) masks (SDPA's ``is_causal`` / unmasked kernels serve), a boolean mask without a
+    bias, else the additive float mask ``bias + (-inf where not visible)`` in ``dtype``."""
+    full = lengths_all_full(lengths_B, T)  # one host read per lengths_B (memo)
+    if bias_BH1T is None and full:
+        return None
+    if causal:
+        visible_B1QT = visible_BTT(lengths_B, T, causal=True)[:, None]
+    else:
+        visible_B1QT = key_mask_BT(lengths_B, T)[:, None, None, :]
+    if bias_BH1T is None:
+        return visible_B1QT
+    bias_BH1T = bias_BH1T.to(dtype)
+    if full and not causal:
+        return bias_BH1T
+    return torch.where(visible_B1QT, bias_BH1T, float("-inf"))
 
 
 @register("softmax")
-def softmax_sdpa(q_BHTD, k_BHTD, v_BHTD, lengths_B, *, sigmoid_bias=None, return_max_logit=False):
+def softmax_sdpa(
+    q_BHTD, k_BHTD, v_BHTD, lengths_B, *, causal=False, key_bias_BT=None, key_bias_BHT=None,
+    sigmoid_bias=None, return_max_logit=False,
+):  # fmt: skip
     T = q_BHTD.shape[2]
-    valid_BT = key_mask_BT(lengths_B, T)
-    if lengths_all_full(lengths_B, T):  # SDPA's unmasked kernel; one host read per lengths_B
-        out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHTD, v_BHTD)
+    bias_BH1T = key_bias_BH1T(q_BHTD, key_bias_BT, key_bias_BHT)
+    mask = sdpa_mask(lengths_B, T, causal, bias_BH1T, q_BHTD.dtype)
+    if mask is None:
+        out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHTD, v_BHTD, is_causal=causal)
     else:
-        out_BHTD = F.scaled_dot_product_attention(
-            q_BHTD, k_BHTD, v_BHTD, attn_mask=valid_BT[:, None, None, :]
+        out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHTD, v_BHTD, attn_mask=mask)
+    out_BHTD = _zero_padded_rows(out_BHTD, lengths_B)
+    return out_BHTD, _stats(q_BHTD, k_BHTD, lengths_B, causal, return_max_logit)
+
+
+# ---- softmax: FlexAttention -------------------------------------------------------------------
+
+_flex_masks = LastTensorMemo()
+_compiled_flex: Callable | None = None
+
+
+def flex_block_mask(lengths_B: torch.Tensor, T: int, causal: bool):
+    """FlexAttention's block mask for padding (``j < L_b``) and causality (``j <= i``), or None
+    when nothing is masked. Built once per lengths tensor (memo): every layer reuses it."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def build():
+        if lengths_all_full(lengths_B, T) and not causal:
+            return None
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            keep = kv_idx < lengths_B[b]
+            return keep & (kv_idx <= q_idx) if causal else keep
+
+        return create_block_mask(mask_mod, lengths_B.shape[0], None, T, T, device=lengths_B.device)
+
+    if torch.compiler.is_compiling():
+        return build()
+    return _flex_masks.get(lengths_B, (T, causal), build)
+
+
+def flex_score_mod(key_bias_BT, key_bias_BHT):
+    """``score_mod`` adding the per-key bias to each score, or None without a bias."""
+    if key_bias_BT is not None:
+        return lambda score, b, h, q_idx, kv_idx: score + key_bias_BT[b, kv_idx]
+    if key_bias_BHT is not None:
+        return lambda score, b, h, q_idx, kv_idx: score + key_bias_BHT[b, h, kv_idx]
+    return None
+
+
+def _flex_attention(device: torch.device) -> Callable:
+    """``flex_attention`` itself on CPU (eager; inductor's CPU template has no backward either)
+    and inside a compiled model; compiled once on CUDA, where eager would run the n x n path."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+@register("softmax-flex")
+def softmax_flex(
+    q_BHTD, k_BHTD, v_BHTD, lengths_B, *, causal=False, key_bias_BT=None, key_bias_BHT=None,
+    sigmoid_bias=None, return_max_logit=False,
+):  # fmt: skip
+    import warnings
+
+    T = q_BHTD.shape[2]
+    key_bias_BH1T(q_BHTD, key_bias_BT, key_bias_BHT)  # shape checks, named
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q_BHTD, k_BHTD, v_BHTD, key_bias_BT, key_bias_BHT)
+    )  # fmt: skip
+    if q_BHTD.device.type == "cpu" and needs_grad:
+        raise ValueError(
+            f"attention backend 'softmax-flex' has no backward on CPU (torch {torch.__version__}"
+            "'s FlexAttention); use 'softmax' or 'softmax-reference' to train on CPU"
         )
-    out_BHTD = out_BHTD * valid_BT[:, None, :, None].to(out_BHTD.dtype)
-    stats = max_abs_logit(q_BHTD, k_BHTD, lengths_B) if return_max_logit else None
-    return out_BHTD, stats
+    block_mask = flex_block_mask(lengths_B, T, causal)
+    score_mod = flex_score_mod(key_bias_BT, key_bias_BHT)
+    with warnings.catch_warnings():
+        # CPU only: the "called without torch.compile()" notice; there is no faster CPU path.
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+        out_BHTD = _flex_attention(q_BHTD.device)(
+            q_BHTD, k_BHTD, v_BHTD, score_mod=score_mod, block_mask=block_mask
+        )
+    out_BHTD = _zero_padded_rows(out_BHTD, lengths_B)
+    return out_BHTD, _stats(q_BHTD, k_BHTD, lengths_B, causal, return_max_logit)
+
+
+# ---- references -------------------------------------------------------------------------------
 
 
 @register("softmax-reference")
 def softmax_reference(
-    q_BHTD, k_BHTD, v_BHTD, lengths_B, *, sigmoid_bias=None, return_max_logit=False
-):
-    out_BHTD = softmax_attention_reference(q_BHTD, k_BHTD, v_BHTD, lengths_B)
-    stats = max_abs_logit(q_BHTD, k_BHTD, lengths_B) if return_max_logit else None
-    return out_BHTD, stats
+    q_BHTD, k_BHTD, v_BHTD, lengths_B, *, causal=False, key_bias_BT=None, key_bias_BHT=None,
+    sigmoid_bias=None, return_max_logit=False,
+):  # fmt: skip
+    out_BHTD = softmax_attention_reference(
+        q_BHTD, k_BHTD, v_BHTD, lengths_B,
+        causal=causal, key_bias_BT=key_bias_BT, key_bias_BHT=key_bias_BHT,
+    )  # fmt: skip
+    return out_BHTD, _stats(q_BHTD, k_BHTD, lengths_B, causal, return_max_logit)
 
 
 @register("sigmoid-reference")
 def sigmoid_reference(
-    q_BHTD, k_BHTD, v_BHTD, lengths_B, *, sigmoid_bias=None, return_max_logit=False
-):
-    out_BHTD = sigmoid_attention_reference(q_BHTD, k_BHTD, v_BHTD, lengths_B, bias=sigmoid_bias)
-    stats = max_abs_logit(q_BHTD, k_BHTD, lengths_B) if return_max_logit else None
-    return out_BHTD, stats
+    q_BHTD, k_BHTD, v_BHTD, lengths_B, *, causal=False, key_bias_BT=None, key_bias_BHT=None,
+    sigmoid_bias=None, return_max_logit=False,
+):  # fmt: skip
+    out_BHTD = sigmoid_attention_reference(
+        q_BHTD, k_BHTD, v_BHTD, lengths_B, bias=sigmoid_bias,
+        causal=causal, key_bias_BT=key_bias_BT, key_bias_BHT=key_bias_BHT,
+    )  # fmt: skip
+    return out_BHTD, _stats(q_BHTD, k_BHTD, lengths_B, causal, return_max_logit)
+
+
+# ---- sigmoid: the Triton kernel -------------------------------------------------------------
+
+
+def refuse_unsupported(name: str, causal, key_bias_BT, key_bias_BHT) -> None:
+    """The Triton kernel has no causal mask and no key bias yet: refuse them by name."""
+    for arg, given in (("causal", bool(causal)), ("key_bias_BT", key_bias_BT is not None),
+                       ("key_bias_BHT", key_bias_BHT is not None)):  # fmt: skip
+        if given:
+            raise ValueError(
+                f"attention backend {name!r} does not support {arg} yet; "
+                "use 'sigmoid-reference' for causal or gated sigmoid attention"
+            )
 
 
 @register("sigmoid-triton")
-def sigmoid_triton(q_BHTD, k_BHTD, v_BHTD, lengths_B, *, sigmoid_bias=None, return_max_logit=False):
+def sigmoid_triton(
+    q_BHTD, k_BHTD, v_BHTD, lengths_B, *, causal=False, key_bias_BT=None, key_bias_BHT=None,
+    sigmoid_bias=None, return_max_logit=False,
+):  # fmt: skip
     from stabilitylab.kernels import sigmoid_attention
 
+    refuse_unsupported("sigmoid-triton", causal, key_bias_BT, key_bias_BHT)
     return sigmoid_attention(
         q_BHTD, k_BHTD, v_BHTD, lengths_B, bias=sigmoid_bias, return_max_logit=return_max_logit
     )
@@ -110,12 +269,14 @@ def sigmoid_triton(q_BHTD, k_BHTD, v_BHTD, lengths_B, *, sigmoid_bias=None, retu
 
 @register("sigmoid-triton-exact")
 def sigmoid_triton_exact(
-    q_BHTD, k_BHTD, v_BHTD, lengths_B, *, sigmoid_bias=None, return_max_logit=False
-):
+    q_BHTD, k_BHTD, v_BHTD, lengths_B, *, causal=False, key_bias_BT=None, key_bias_BHT=None,
+    sigmoid_bias=None, return_max_logit=False,
+):  # fmt: skip
     """``sigmoid-triton`` with the exact sigmoid ``1 / (1 + exp(-x))`` in place of the fast
     ``tanh.approx.f32`` one: to check that the approximation does not change a run's fate."""
     from stabilitylab.kernels import sigmoid_attention
 
+    refuse_unsupported("sigmoid-triton-exact", causal, key_bias_BT, key_bias_BHT)
     return sigmoid_attention(
         q_BHTD, k_BHTD, v_BHTD, lengths_B, bias=sigmoid_bias, return_max_logit=return_max_logit,
         exact=True,

@@ -71,6 +71,68 @@ class ModelConfig:
     """Stress knob: LayerNorm on queries and keys per head (Wortsman et al. 2023)."""
     sigmoid_bias: float | None = None
     """Stress knob: sigmoid bias b; None means b = -log(n_valid) per sequence."""
+    causal: bool = False
+    """A causal decoder (next-token LM; tied input/output embeddings as in GPT-2). False: the
+    bidirectional encoder with its masked-token head."""
+    position: Literal["learned", "rope", "none"] = "learned"
+    """Positions: learned absolute vectors, rope (rotary on q and k after qk_norm; needs an even
+    head dim), none (NoPE: no rotation and no position vector)."""
+    rope_base: float = 10_000.0
+    """RoPE's base: pair p of a head rotates by position * rope_base^(-2p / head_dim)."""
+    qk_norm: Literal["none", "layernorm", "rmsnorm"] = "none"
+    """Norm on queries and keys per head, before RoPE: layernorm (what qk_layernorm=True means)
+    or rmsnorm (QK-RMSNorm with a learnable gain, the KV-eviction paper's)."""
+    gates: bool = False
+    """KV-eviction gates: layer l < n_layers-1 emits g_j = sigmoid(w.h_j + b) per token (w=0 and
+    b=gate_bias_init at init, h = layer l's output); layer l+1 adds log(g_j + 1e-8) to its logits
+    for key j and scales v_j by g_j. Needs n_layers >= 2."""
+    gate_injection: Literal["both", "logits", "values"] = "both"
+    """Where the gate enters the next layer: both (the paper), logits only, values only."""
+    gate_per_head: bool = False
+    """One gate per (token, head) instead of one per token shared by the heads."""
+    gate_bias_init: float = 5.0
+    """The gates' initial bias b (the paper: 5, so g = sigmoid(5) = 0.9933 at step 0)."""
+
+    def _check_kinds(self) -> None:
+        """Literal fields hold one of their kinds, also when built from a dict (a saved config)."""
+        from typing import get_args, get_type_hints
+
+        hints = get_type_hints(type(self))
+        for key in ("position", "qk_norm", "gate_injection"):
+            kinds, value = get_args(hints[key]), getattr(self, key)
+            _check(value in kinds, f"model.{key}", f"unknown kind {value!r}; choose one of {kinds}")
+        for key in ("causal", "gates", "gate_per_head", "qk_layernorm"):
+            value = getattr(self, key)
+            _check(isinstance(value, bool), f"model.{key}", f"must be True or False, got {value!r}")
+
+    def _check_new_knobs(self) -> None:
+        self._check_kinds()
+        _check(
+            not (self.qk_layernorm and self.qk_norm == "rmsnorm"),
+            "model.qk_layernorm",
+            "qk_layernorm=True means qk_norm='layernorm', which contradicts qk_norm='rmsnorm'",
+        )
+        _check(
+            self.position != "rope" or self.head_dim % 2 == 0,
+            "model.position",
+            f"rope needs an even head dim, got d_model/n_heads = {self.head_dim}",
+        )
+        _check(self.rope_base > 1.0, "model.rope_base", f"must be > 1, got {self.rope_base}")
+        _check(
+            not self.gates or self.n_layers >= 2,
+            "model.gates",
+            f"need n_layers >= 2 (the last layer has no gate), got n_layers={self.n_layers}",
+        )
+        _check(
+            abs(self.gate_bias_init) < float("inf"),
+            "model.gate_bias_init",
+            f"must be finite, got {self.gate_bias_init}",
+        )
+
+    @property
+    def qk_norm_kind(self) -> str:
+        """The norm the model applies: qk_layernorm=True is the older spelling of 'layernorm'."""
+        return "layernorm" if self.qk_layernorm else self.qk_norm
 
     def __post_init__(self) -> None:
         check_finite(self, "model.")
@@ -85,6 +147,7 @@ class ModelConfig:
         _check(self.ln_eps > 0, "model.ln_eps", f"must be positive, got {self.ln_eps}")
         _check(self.init_std > 0, "model.init_std", f"must be positive, got {self.init_std}")
         _check(self.init_scale > 0, "model.init_scale", f"must be positive, got {self.init_scale}")
+        self._check_new_knobs()
 
     @property
     def head_dim(self) -> int:

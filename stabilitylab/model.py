@@ -1,7 +1,22 @@
-"""A minimal pre-LN bidirectional encoder with a masked-token head; attention chosen by name.
+"""One pre-LN Transformer for both studies; attention chosen by name.
+
+- ``causal=False``: the bidirectional encoder of the stress study, a masked-token head (MLM on
+  cells; position embeddings index the rank of a gene within its cell).
+- ``causal=True``: a GPT-2-style decoder, next-token head tied to the token embedding.
+
+Knobs (``ModelConfig``): ``position`` learned | rope | none (NoPE); ``qk_norm`` none | layernorm |
+rmsnorm, per head, before RoPE; ``gates``: KV-eviction gates (below).
 
 Shapes: ``tokens_BT`` (long, right-padded with 0), ``lengths_B`` (valid tokens per row).
-Position embeddings index the rank of a gene within its cell (rank-value encoding).
+
+Gates (the KV-eviction study; form inferred from the paper's words, docs say so): block ``l < L-1``
+reads its own output stream ``h_BTC`` and emits ``g_BT = sigmoid(h . w_l + b_l)`` (``g_BHT`` with
+``gate_per_head``), ``w = 0`` and ``b = gate_bias_init`` at init. Block ``l + 1`` adds
+``log(g_j + 1e-8)`` to every logit of key ``j`` (passed to the backend as ``key_bias_BT`` /
+``key_bias_BHT``) and scales ``v_j`` by ``g_j`` before the backend (``gate_injection`` picks one or
+both). After each forward, ``model.gates`` holds the gates it emitted: ``gates[l]`` is layer
+``l``'s gate (read by layer ``l + 1``), float32, still in the autograd graph (the budget loss
+differentiates through it); ``[]`` without gates. ``budget_loss`` and ``gate_mean`` reduce it.
 
 Attention statistics: set ``model.record_max_logit = True`` before a forward pass and each
 ``SelfAttention`` leaves its exact per-head max |logit| in ``.max_logit_BH`` (detached, float32).
@@ -11,51 +26,157 @@ nothing extra runs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from stabilitylab.attention import get_backend
 from stabilitylab.config import N_SPECIAL_TOKENS, ModelConfig
+from stabilitylab.kernels.reference import key_mask_BT
+
+GATE_EPS = 1e-8  # log(g + eps) on the logits: the paper's epsilon
+
+
+# ---- pure maths -------------------------------------------------------------------------------
+
+
+def rope_cos_sin(T: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos_TD, sin_TD)`` of RoPE (rotate-half layout: pair p is dims p and p + D/2), float32.
+    Computed per call (T x D/2 angles): no buffer to keep in step with the context length."""
+    inv_freq_P = base ** (
+        -torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    )
+    angle_TP = torch.arange(T, device=device, dtype=torch.float32)[:, None] * inv_freq_P[None, :]
+    angle_TD = torch.cat([angle_TP, angle_TP], dim=-1)
+    return angle_TD.cos(), angle_TD.sin()
+
+
+def apply_rope(x_BHTD: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair ``(x_p, x_{p+D/2})`` of position t by angle_tp; float32 inside, the
+    input's dtype out. Then ``rope(q)_i . rope(k)_j`` depends on positions only through i - j."""
+    x1, x2 = x_BHTD.float().chunk(2, dim=-1)
+    rotated_BHTD = torch.cat([-x2, x1], dim=-1)
+    return (x_BHTD.float() * cos_TD + rotated_BHTD * sin_TD).to(x_BHTD.dtype)
+
+
+def gate_key_bias(g: torch.Tensor) -> torch.Tensor:
+    """The logit term of a gate: ``log(g + 1e-8)`` (0 at g = 1, about -18.4 at g = 0)."""
+    return torch.log(g + GATE_EPS)
+
+
+# ---- modules ----------------------------------------------------------------------------------
+
+
+def _qk_norm(cfg: ModelConfig) -> nn.Module | None:
+    kind = cfg.qk_norm_kind
+    if kind == "layernorm":
+        return nn.LayerNorm(cfg.head_dim, eps=cfg.ln_eps)
+    if kind == "rmsnorm":
+        return nn.RMSNorm(cfg.head_dim, eps=cfg.ln_eps)
+    return None
+
+
+class TokenGate(nn.Module):
+    """``h_BTC -> g_BT`` (or ``g_BHT`` per head): ``sigmoid(h . w + b)`` in float32.
+
+    Built without drawing random numbers (w = 0, b = a constant), so a gated and a dense model
+    made from the same seed share every other initial weight."""
+
+    def __init__(self, d_model: int, n_gates: int, bias_init: float, per_head: bool):
+        super().__init__()
+        self.per_head = per_head
+        self.bias_init = bias_init
+        self.weight_GC = nn.Parameter(torch.zeros(n_gates, d_model))
+        self.bias_G = nn.Parameter(torch.full((n_gates,), float(bias_init)))
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight_GC)
+        nn.init.constant_(self.bias_G, self.bias_init)
+
+    def forward(self, h_BTC: torch.Tensor) -> torch.Tensor:
+        # float32 even under autocast: at b = 5 a bf16 logit moves in steps of 1/32.
+        with torch.autocast(h_BTC.device.type, enabled=False):
+            g_BTG = torch.sigmoid(F.linear(h_BTC.float(), self.weight_GC, self.bias_G))
+        return g_BTG.permute(0, 2, 1) if self.per_head else g_BTG[..., 0]
 
 
 class SelfAttention(nn.Module):
-    """``x_BTC -> y_BTC``: QKV projection, optional QK-LayerNorm, backend, output projection."""
+    """``x_BTC -> y_BTC``: QKV projection, optional QK-norm, RoPE, the previous layer's gate,
+    backend, output projection. ``layer(x_BTC, lengths_B)`` alone runs it ungated."""
 
     def __init__(self, cfg: ModelConfig, backend: str):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.q_norm = nn.LayerNorm(cfg.head_dim, eps=cfg.ln_eps) if cfg.qk_layernorm else None
-        self.k_norm = nn.LayerNorm(cfg.head_dim, eps=cfg.ln_eps) if cfg.qk_layernorm else None
+        self.q_norm, self.k_norm = _qk_norm(cfg), _qk_norm(cfg)
+        self.causal = cfg.causal
+        self.rope_base = cfg.rope_base if cfg.position == "rope" else None
+        self.gate_injection = cfg.gate_injection
         self.sigmoid_bias = cfg.sigmoid_bias
         self.backend_name = backend
         self.backend = get_backend(backend)
         self.record_max_logit = False
         self.max_logit_BH: torch.Tensor | None = None
 
-    def forward(self, x_BTC: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
+    def _qkv(self, x_BTC: torch.Tensor):
         B, T, C = x_BTC.shape
         qkv_BT3HD = self.qkv(x_BTC).view(B, T, 3, self.n_heads, self.head_dim)
         q_BHTD, k_BHTD, v_BHTD = qkv_BT3HD.permute(2, 0, 3, 1, 4).unbind(0)
-        if self.q_norm is not None:
+        if isinstance(self.q_norm, nn.RMSNorm):
+            # In float32 (the fused kernel wants input and gain in one dtype), then back to the
+            # projection's dtype: under autocast attention runs in bf16.
+            dtype = v_BHTD.dtype
+            q_BHTD = self.q_norm(q_BHTD.float()).to(dtype)
+            k_BHTD = self.k_norm(k_BHTD.float()).to(dtype)
+        elif self.q_norm is not None:
+            # LayerNorm returns float32 under CUDA autocast and v follows: the stress study's
+            # QK-LayerNorm runs always ran attention so.
             q_BHTD, k_BHTD = self.q_norm(q_BHTD), self.k_norm(k_BHTD)
-            v_BHTD = v_BHTD.to(q_BHTD.dtype)
+            k_BHTD, v_BHTD = k_BHTD.to(q_BHTD.dtype), v_BHTD.to(q_BHTD.dtype)
+        if self.rope_base is not None:
+            cos_TD, sin_TD = rope_cos_sin(T, self.head_dim, self.rope_base, x_BTC.device)
+            q_BHTD, k_BHTD = apply_rope(q_BHTD, cos_TD, sin_TD), apply_rope(k_BHTD, cos_TD, sin_TD)
+        return q_BHTD, k_BHTD, v_BHTD
+
+    def _inject(self, v_BHTD: torch.Tensor, gate: torch.Tensor | None):
+        """The previous layer's gate: ``(v_BHTD scaled, backend kwargs with the key bias)``."""
+        if gate is None:
+            return v_BHTD, {}
+        g_BHT = gate if gate.dim() == 3 else gate[:, None, :]
+        if self.gate_injection in ("both", "values"):
+            v_BHTD = v_BHTD * g_BHT[..., None].to(v_BHTD.dtype)
+        if self.gate_injection == "values":
+            return v_BHTD, {}
+        key = "key_bias_BHT" if gate.dim() == 3 else "key_bias_BT"
+        return v_BHTD, {key: gate_key_bias(gate)}
+
+    def forward(
+        self, x_BTC: torch.Tensor, lengths_B: torch.Tensor, gate: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        B, T, C = x_BTC.shape
+        q_BHTD, k_BHTD, v_BHTD = self._qkv(x_BTC)
+        v_BHTD, bias_kwargs = self._inject(v_BHTD, gate)
         out_BHTD, max_logit_BH = self.backend(
             q_BHTD,
             k_BHTD,
             v_BHTD,
             lengths_B,
+            causal=self.causal,
             sigmoid_bias=self.sigmoid_bias,
             return_max_logit=self.record_max_logit,
+            **bias_kwargs,
         )
         self.max_logit_BH = max_logit_BH
         return self.proj(out_BHTD.transpose(1, 2).reshape(B, T, C))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str):
+    """Pre-LN block; ``gate_out`` (layers < L-1 of a gated model) emits this layer's gate."""
+
+    def __init__(self, cfg: ModelConfig, backend: str, emits_gate: bool):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
         self.attn = SelfAttention(cfg, backend)
@@ -64,22 +185,41 @@ class Block(nn.Module):
             nn.Linear(cfg.d_model, cfg.d_ff), nn.GELU(), nn.Linear(cfg.d_ff, cfg.d_model)
         )
         self.drop = nn.Dropout(cfg.dropout)
+        self.gate_out = None
+        if emits_gate:
+            n_gates = cfg.n_heads if cfg.gate_per_head else 1
+            self.gate_out = TokenGate(cfg.d_model, n_gates, cfg.gate_bias_init, cfg.gate_per_head)
 
-    def forward(self, x_BTC: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
-        x_BTC = x_BTC + self.drop(self.attn(self.ln1(x_BTC), lengths_B))
+    def forward(
+        self, x_BTC: torch.Tensor, lengths_B: torch.Tensor, gate: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x_BTC = x_BTC + self.drop(self.attn(self.ln1(x_BTC), lengths_B, gate))
         return x_BTC + self.drop(self.ff(self.ln2(x_BTC)))
 
 
-class Encoder(nn.Module):
+class Transformer(nn.Module):
+    """Encoder (masked-token head) or causal decoder (tied next-token head), per ``cfg.causal``.
+
+    ``forward(tokens_BT, lengths_B) -> logits_BTV``; ``self.gates`` then holds the gates that
+    forward emitted (module docstring).
+    """
+
     def __init__(self, cfg: ModelConfig, vocab_size: int, context_len: int, backend: str):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(vocab_size, cfg.d_model)
-        self.pos_emb = nn.Embedding(context_len, cfg.d_model)
+        self.pos_emb = nn.Embedding(context_len, cfg.d_model) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, backend) for _ in range(cfg.n_layers))
+        L = cfg.n_layers
+        self.blocks = nn.ModuleList(
+            Block(cfg, backend, emits_gate=cfg.gates and i < L - 1) for i in range(L)
+        )
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
-        self.head = nn.Linear(cfg.d_model, vocab_size)
+        # GPT-2 ties the decoder's output projection to the token embedding (no bias).
+        self.head = nn.Linear(cfg.d_model, vocab_size, bias=not cfg.causal)
+        if cfg.causal:
+            self.head.weight = self.tok_emb.weight
+        self.gates: list[torch.Tensor] = []
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -92,6 +232,8 @@ class Encoder(nn.Module):
             elif isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
+            elif isinstance(m, (nn.RMSNorm, TokenGate)):
+                m.reset_parameters()
 
     @property
     def attention_layers(self) -> list[SelfAttention]:
@@ -104,13 +246,24 @@ class Encoder(nn.Module):
                 a.max_logit_BH = None
 
     def forward(self, tokens_BT: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
-        """Returns logits over the vocabulary, ``logits_BTV``."""
-        T = tokens_BT.shape[1]
-        pos_T = torch.arange(T, device=tokens_BT.device)
-        x_BTC = self.drop(self.tok_emb(tokens_BT) + self.pos_emb(pos_T)[None])
+        """Returns logits over the vocabulary, ``logits_BTV``; sets ``self.gates``."""
+        x_BTC = self.tok_emb(tokens_BT)
+        if self.pos_emb is not None:
+            x_BTC = (
+                x_BTC + self.pos_emb(torch.arange(tokens_BT.shape[1], device=x_BTC.device))[None]
+            )
+        x_BTC = self.drop(x_BTC)
+        gates, gate = [], None
         for block in self.blocks:
-            x_BTC = block(x_BTC, lengths_B)
+            x_BTC = block(x_BTC, lengths_B, gate)
+            gate = block.gate_out(x_BTC) if block.gate_out is not None else None
+            if gate is not None:
+                gates.append(gate)
+        self.gates = gates
         return self.head(self.ln_f(x_BTC))
+
+
+# ---- losses and accounting --------------------------------------------------------------------
 
 
 def masked_lm_loss_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
@@ -120,19 +273,70 @@ def masked_lm_loss_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> tor
     )
 
 
+def next_token_labels_BT(tokens_BT: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
+    """Targets aligned with the logits: ``labels[b, t] = tokens[b, t + 1]`` for ``t + 1 < L_b``,
+    else -100 (the last valid token and padding predict nothing)."""
+    T = tokens_BT.shape[1]
+    labels_BT = torch.full_like(tokens_BT, -100)
+    labels_BT[:, :-1] = tokens_BT[:, 1:]
+    has_next_BT = torch.arange(T, device=tokens_BT.device)[None, :] + 1 < lengths_B[:, None]
+    return labels_BT.masked_fill(~has_next_BT, -100)
+
+
+def next_token_loss_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy, float32. ``labels_BT`` is aligned with the logits
+    (``next_token_labels_BT``: position t's target is token t + 1; -100 = none)."""
+    return masked_lm_loss_sum(logits_BTV, labels_BT)
+
+
+def gate_mean(gates: Sequence[torch.Tensor], lengths_B: torch.Tensor) -> torch.Tensor:
+    """Mean gate over gated layers, heads (per-head gates), batch and valid positions (j < L_b):
+    every position a key can occupy, the last one included. Every layer has the same count, so
+    this is also the mean of the per-layer means. 0 when there are no gates."""
+    if len(gates) == 0:
+        return torch.zeros((), device=lengths_B.device)
+    valid_BT = key_mask_BT(lengths_B, gates[0].shape[-1])
+    per_layer = []
+    for g in gates:
+        g_BHT = g if g.dim() == 3 else g[:, None, :]
+        per_layer.append((g_BHT * valid_BT[:, None, :]).sum() / (valid_BT.sum() * g_BHT.shape[1]))
+    return torch.stack(per_layer).mean()
+
+
+def budget_loss(
+    gates: Sequence[torch.Tensor], lengths_B: torch.Tensor, budget_lambda: float
+) -> torch.Tensor:
+    """The paper's budget term ``lambda * mean(g)`` (``gate_mean``), added to the mean CE.
+    Under gradient accumulation weight each micro-batch by its share of the valid tokens."""
+    return budget_lambda * gate_mean(gates, lengths_B)
+
+
 def vocab_size_for(n_genes: int) -> int:
     return n_genes + N_SPECIAL_TOKENS
 
 
 def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (a tied embedding counts once)."""
     return sum(p.numel() for p in model.parameters())
 
 
-def flops_per_step(cfg: ModelConfig, n_params_dense: int, lengths: list[int]) -> float:
-    """Training FLOPs for one batch: 6 x dense params x tokens + attention 12 x L x d x sum(len^2).
+def dense_parameter_count(model: Transformer) -> int:
+    """Parameters that cost a matmul per token: all but the position vectors and, when the head is
+    not tied to it, the token embedding (a lookup). A tied embedding counts once, as the head."""
+    n = count_parameters(model)
+    if model.pos_emb is not None:
+        n -= model.pos_emb.weight.numel()
+    if model.head.weight is not model.tok_emb.weight:
+        n -= model.tok_emb.weight.numel()
+    return n
 
-    Counts valid tokens only (padding is work a padding-aware kernel skips).
+
+def flops_per_step(cfg: ModelConfig, n_params_dense: int, lengths: list[int]) -> float:
+    """Training FLOPs for one batch: 6 x dense params x tokens + attention 12 x L x d x pairs.
+
+    Counts valid tokens only (padding is work a padding-aware kernel skips); ``pairs`` is the
+    visible (query, key) pairs: ``n^2`` per sequence, ``n (n + 1) / 2`` for a causal model.
     """
     tokens = sum(lengths)
-    attn = 12.0 * cfg.n_layers * cfg.d_model * sum(n * n for n in lengths)
-    return 6.0 * n_params_dense * tokens + attn
+    pairs = sum(n * (n + 1) // 2 if cfg.causal else n * n for n in lengths)
+    return 6.0 * n_params_dense * tokens + 12.0 * cfg.n_layers * cfg.d_model * pairs

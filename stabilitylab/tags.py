@@ -28,3 +28,14 @@ def layer(tag: str, i: int) -> str:
 
 def head(i: int, h: int) -> str:
     return MAX_LOGIT_HEAD.format(i=i, h=h)
+
+
+# ---- the KV-eviction study (causal decoder with gates); model docstring for the gates --------
+CE_LOSS = "train/ce_loss"  # mean next-token (or masked-token) cross-entropy of the step (nats)
+BUDGET_LOSS = "train/budget_loss"  # lambda * mean gate (stabilitylab.model.budget_loss)
+GATE_MEAN = "gate/mean"  # mean gate over gated layers, heads and valid positions
+GATE_MEAN_LAYER = "gate/mean/layer_{i}"  # layer i's gate, read by layer i + 1
+GATE_LOW_LAYER = "gate/frac_below_0.05/layer_{i}"  # fraction of valid positions with g < 0.05
+GATE_HIGH_LAYER = "gate/frac_above_0.95/layer_{i}"  # ... with g > 0.95 (with LOW: binarization)
+VAL_LOSS = "val/loss"  # mean cross-entropy on the fixed validation split (nats per token)
+VAL_PPL = "val/ppl"  # exp(val/loss)

@@ -13,28 +13,41 @@ BACKENDS = [pytest.param(n, marks=pytest.mark.interpreter) if n.startswith("sigm
             for n in available()]  # fmt: skip
 
 
-def softmax_reference_f64(q, k, v, lengths):
+def _visible_f64(lengths, T, causal):
+    """[b, i, j]: key j visible to query i (written apart from kernels/reference.py)."""
+    i = torch.arange(T, device=lengths.device)[:, None]
+    j = torch.arange(T, device=lengths.device)[None, :]
+    return (j < lengths[:, None, None]) & ((j <= i) if causal else True)
+
+
+def _bias_f64(kb, q):
+    B, H, T, _ = q.shape
+    if kb is None:
+        return torch.zeros(B, H, 1, T, dtype=torch.float64, device=q.device)
+    kb = kb.double()
+    return kb[:, None, None, :] if kb.dim() == 2 else kb[:, :, None, :]
+
+
+def softmax_reference_f64(q, k, v, lengths, causal=False, kb=None):
     q, k, v = q.double(), k.double(), v.double()
-    T, D = q.shape[2], q.shape[3]
-    valid = key_mask_BT(lengths, T)
-    s = q @ k.transpose(-1, -2) / math.sqrt(D)
-    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    B, H, T, D = q.shape
+    s = q @ k.transpose(-1, -2) / math.sqrt(D) + _bias_f64(kb, q)
+    s = s.masked_fill(~_visible_f64(lengths, T, causal)[:, None], float("-inf"))
     out = torch.softmax(s, -1) @ v
-    return out * valid[:, None, :, None]
+    return out * key_mask_BT(lengths, T)[:, None, :, None]
 
 
-def sigmoid_reference_f64(q, k, v, lengths, bias=None):
+def sigmoid_reference_f64(q, k, v, lengths, bias=None, causal=False, kb=None):
     q, k, v = q.double(), k.double(), v.double()
-    T, D = q.shape[2], q.shape[3]
-    valid = key_mask_BT(lengths, T)
+    B, H, T, D = q.shape
     b = (
         -torch.log(lengths.double())
         if bias is None
-        else torch.full(lengths.shape, bias, dtype=torch.float64)
+        else torch.full(lengths.shape, bias, dtype=torch.float64, device=q.device)
     )
-    p = torch.sigmoid(q @ k.transpose(-1, -2) / math.sqrt(D) + b[:, None, None, None])
-    out = (p * valid[:, None, None, :]) @ v
-    return out * valid[:, None, :, None]
+    s = q @ k.transpose(-1, -2) / math.sqrt(D) + _bias_f64(kb, q) + b[:, None, None, None]
+    p = torch.sigmoid(s) * _visible_f64(lengths, T, causal)[:, None]
+    return (p @ v) * key_mask_BT(lengths, T)[:, None, :, None]
 
 
 def _inputs(B, H, T, D, lengths, dtype, seed):
@@ -43,15 +56,45 @@ def _inputs(B, H, T, D, lengths, dtype, seed):
     return mk(), mk(), mk(), torch.tensor(lengths)
 
 
+def _key_bias(kind, B, H, T, seed):
+    """A gate's log(g + 1e-8) with g spread over (0, 1): from about -18 to 0."""
+    if kind is None:
+        return {}
+    g = torch.Generator().manual_seed(seed + 1)
+    shape = (B, T) if kind == "BT" else (B, H, T)
+    gate = torch.rand(shape, generator=g) ** 3
+    return {f"key_bias_{kind}": torch.log(gate + 1e-8)}
+
+
+TRITON_REFUSES = ("causal", "key_bias_BT", "key_bias_BHT")  # the kernel has neither yet
+
+
 @pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("key_bias", [None, "BT", "BHT"])
 @pytest.mark.parametrize("bias", [None, -1.5])
-def test_backend_matches_float64_reference_with_padding(name, bias):
+@pytest.mark.parametrize("lens", [(37, 20, 1), (37, 37, 37)], ids=["padded", "full"])
+def test_backend_matches_float64_reference(name, causal, key_bias, bias, lens):
+    """Every backend on odd lengths with padding, causal or not, with or without a per-key bias
+    (shared or per head): its output and max |logit| against float64 maths, or a refusal that
+    names the argument it cannot honour."""
     seed = torch.randint(0, 2**31, ()).item()
-    q, k, v, lengths = _inputs(3, 2, 37, 64, [37, 20, 1], torch.float32, seed)
-    out, stats = get_backend(name)(q, k, v, lengths, sigmoid_bias=bias, return_max_logit=True)
-    softmax = name.startswith("softmax")
-    ref = softmax_reference_f64 if softmax else sigmoid_reference_f64
-    expected = ref(q, k, v, lengths) if softmax else ref(q, k, v, lengths, bias)
+    q, k, v, lengths = _inputs(3, 2, 37, 64, list(lens), torch.float32, seed)
+    kw = _key_bias(key_bias, 3, 2, 37, seed)
+    backend = get_backend(name)
+    if name.startswith("sigmoid-triton") and (causal or key_bias):
+        arg = "causal" if causal else f"key_bias_{key_bias}"
+        with pytest.raises(ValueError, match=f"{name}.*{arg}"):
+            backend(q, k, v, lengths, causal=causal, **kw)
+        return
+    out, stats = backend(
+        q, k, v, lengths, causal=causal, sigmoid_bias=bias, return_max_logit=True, **kw
+    )
+    kb = next(iter(kw.values()), None)
+    if name.startswith("softmax"):
+        expected = softmax_reference_f64(q, k, v, lengths, causal, kb)
+    else:
+        expected = sigmoid_reference_f64(q, k, v, lengths, bias, causal, kb)
     assert out.shape == q.shape
     torch.testing.assert_close(out.double(), expected, atol=2e-4, rtol=2e-4, msg=f"seed {seed}")
     valid = key_mask_BT(lengths, q.shape[2])
@@ -59,9 +102,72 @@ def test_backend_matches_float64_reference_with_padding(name, bias):
         "padded query rows must be zero"
     )
     s = (q.double() @ k.double().transpose(-1, -2) / 8.0).abs()
-    pair = valid[:, None, :, None] & valid[:, None, None, :]
-    exact = s.masked_fill(~pair, 0).amax(dim=(-1, -2))
+    pair = _visible_f64(lengths, 37, causal) & valid[:, :, None]
+    exact = s.masked_fill(~pair[:, None], 0).amax(dim=(-1, -2))
     torch.testing.assert_close(stats.double(), exact, atol=1e-4, rtol=1e-5, msg=f"seed {seed}")
+
+
+GRAD_BACKENDS = ["softmax", "softmax-reference", "sigmoid-reference",
+                 pytest.param("softmax-flex", marks=pytest.mark.gpu)]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", GRAD_BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", ["BT", "BHT"])
+def test_key_bias_gradient_matches_float64_autograd(name, causal, kind):
+    """d key_bias (and dq, dk, dv) from each backend against autograd through float64 maths: the
+    gate learns through this gradient (sum over queries, and heads for key_bias_BT)."""
+    device = "cuda" if name == "softmax-flex" else "cpu"
+    q, k, v, lengths = _inputs(2, 3, 29, 32, [29, 12], torch.float32, 7)
+    kb = _key_bias(kind, 2, 3, 29, 7)[f"key_bias_{kind}"]
+    leaves = [t.to(device).requires_grad_() for t in (q, k, v, kb)]
+    lengths = lengths.to(device)
+    out, _ = get_backend(name)(
+        *leaves[:3], lengths, causal=causal, **{f"key_bias_{kind}": leaves[3]}
+    )
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(device)
+    grads = torch.autograd.grad(out, leaves, d_out)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    ref = softmax_reference_f64 if name.startswith("softmax") else sigmoid_reference_f64
+    kw = {"causal": causal, "kb": leaves64[3]}
+    out64 = ref(*leaves64[:3], lengths, **kw)
+    grads64 = torch.autograd.grad(out64, leaves64, d_out.double())
+    assert grads[3].abs().sum() > 0, "the key bias must receive a gradient"
+    for label, g, g64 in zip(("q", "k", "v", "key_bias"), grads, grads64, strict=True):
+        torch.testing.assert_close(g.double(), g64, atol=1e-4, rtol=1e-4, msg=label)
+
+
+def test_softmax_flex_refuses_backward_on_cpu():
+    q, k, v, lengths = _inputs(1, 1, 8, 16, [8], torch.float32, 0)
+    with pytest.raises(ValueError, match="softmax-flex.*backward on CPU"):
+        get_backend("softmax-flex")(q.requires_grad_(), k, v, lengths)
+
+
+@pytest.mark.parametrize("name", ["softmax", "softmax-reference", "sigmoid-reference"])
+def test_two_key_biases_or_a_wrong_shape_are_refused_by_name(name):
+    q, k, v, lengths = _inputs(2, 2, 8, 16, [8, 5], torch.float32, 0)
+    backend = get_backend(name)
+    with pytest.raises(ValueError, match="key_bias_BT or key_bias_BHT"):
+        backend(q, k, v, lengths, key_bias_BT=torch.zeros(2, 8), key_bias_BHT=torch.zeros(2, 2, 8))
+    with pytest.raises(ValueError, match=r"key_bias_BT must have shape \(2, 8\)"):
+        backend(q, k, v, lengths, key_bias_BT=torch.zeros(2, 7))
+    with pytest.raises(ValueError, match=r"key_bias_BHT must have shape \(2, 2, 8\)"):
+        backend(q, k, v, lengths, key_bias_BHT=torch.zeros(2, 8))
+
+
+def test_sdpa_mask_kinds():
+    """SDPA gets no mask when nothing is padded (its is_causal / unmasked kernels), a boolean
+    mask without a bias, an additive float mask with one."""
+    from stabilitylab.attention import sdpa_mask
+
+    full, padded = torch.tensor([6, 6]), torch.tensor([6, 4])
+    bias = torch.zeros(2, 1, 1, 6)
+    assert sdpa_mask(full, 6, True, None, torch.float32) is None
+    assert sdpa_mask(full, 6, False, None, torch.float32) is None
+    assert sdpa_mask(padded, 6, True, None, torch.float32).dtype == torch.bool
+    m = sdpa_mask(padded, 6, True, bias, torch.float32)
+    assert m.dtype == torch.float32 and m.shape == (2, 1, 6, 6)
+    assert torch.isneginf(m[0, 0, 2, 3]) and m[0, 0, 3, 2] == 0 and torch.isneginf(m[1, 0, 5, 4])
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -136,11 +242,11 @@ def test_compiled_model_with_sigmoid_triton_matches_eager():
     import copy
 
     from stabilitylab.config import ModelConfig
-    from stabilitylab.model import Encoder
+    from stabilitylab.model import Transformer
 
     torch.manual_seed(0)
     cfg = ModelConfig(n_layers=2, d_model=256, n_heads=4, d_ff=1024, dropout=0.0)
-    eager = Encoder(cfg, 300, 640, "sigmoid-triton").cuda()
+    eager = Transformer(cfg, 300, 640, "sigmoid-triton").cuda()
     compiled = copy.deepcopy(eager)
     compiled.compile(fullgraph=True)
     tokens_BT = torch.randint(3, 300, (2, 640), device="cuda")
