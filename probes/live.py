@@ -53,7 +53,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
         inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
         if inner is None:
             raise ValueError(
-                f"{type(model).__name__} has no `attention_layers`; pass a stabilitylab Encoder"
+                f"{type(model).__name__} has no `attention_layers`; pass a stabilitylab Transformer"
             )
         model = inner
     return model

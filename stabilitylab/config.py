@@ -331,8 +331,9 @@ class Config:
     ] = "auto"
     """auto: sigmoid-triton on CUDA, sigmoid-reference on CPU.
     sigmoid-triton-exact: the kernel with the exact sigmoid, not the fast tanh.approx one."""
-    softmax_backend: Literal["softmax", "softmax-reference"] = "softmax"
+    softmax_backend: Literal["softmax", "softmax-flex", "softmax-reference"] = "softmax"
     """softmax: PyTorch SDPA (fast; its GPU backward is not bit-reproducible run to run);
+    softmax-flex: FlexAttention (score_mod for the gate bias, block mask for causal + padding);
     softmax-reference: eager n x n (reproducible)."""
     resume: bool = True
     """Continue from <run dir>/checkpoints/last.pt when it exists."""

@@ -24,7 +24,7 @@ from stabilitylab.data import (
     rank_value_order,
 )
 from stabilitylab.data.synthetic import SyntheticSource, sample_zinb_nonzero
-from stabilitylab.model import Encoder, masked_lm_loss_sum, vocab_size_for
+from stabilitylab.model import Transformer, masked_lm_loss_sum, vocab_size_for
 
 SMOKE = smoke().data
 
@@ -412,7 +412,7 @@ def test_smoke_model_learns_the_synthetic_cells():
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
-        model = Encoder(cfg.model, vocab, cfg.data.context_len, "softmax")
+        model = Transformer(cfg.model, vocab, cfg.data.context_len, "softmax")
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
         losses = []
         for step in range(300):

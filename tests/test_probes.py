@@ -9,7 +9,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stabilitylab.config import ModelConfig
-from stabilitylab.model import Encoder
+from stabilitylab.model import Transformer
 from stabilitylab.probes.jacobian import (
     exact_jacobian,
     loglog_slope,
@@ -163,11 +163,11 @@ def test_slope_table_recovers_a_power_law():
 # ---- live probe ----------------------------------------------------------------------------
 
 
-def tiny_model(backend: str, qk_layernorm: bool = False) -> Encoder:
+def tiny_model(backend: str, qk_layernorm: bool = False) -> Transformer:
     cfg = ModelConfig(n_layers=2, d_model=16, n_heads=2, d_ff=32, dropout=0.2,
                       qk_layernorm=qk_layernorm)  # fmt: skip
     torch.manual_seed(0)
-    return Encoder(cfg, vocab_size=50, context_len=32, backend=backend)
+    return Transformer(cfg, vocab_size=50, context_len=32, backend=backend)
 
 
 def batch(lengths: list[int], T: int = 20):
@@ -307,8 +307,8 @@ def test_live_probe_on_cuda_matches_reference_backend():
     tokens_BT, lengths_B = batch([20, 11])
     cfg = ModelConfig(n_layers=2, d_model=128, n_heads=2, d_ff=64, dropout=0.2)
     torch.manual_seed(0)
-    triton = Encoder(cfg, vocab_size=50, context_len=32, backend="sigmoid-triton").cuda()
-    ref = Encoder(cfg, vocab_size=50, context_len=32, backend="sigmoid-reference").cuda()
+    triton = Transformer(cfg, vocab_size=50, context_len=32, backend="sigmoid-triton").cuda()
+    ref = Transformer(cfg, vocab_size=50, context_len=32, backend="sigmoid-reference").cuda()
     ref.load_state_dict(triton.state_dict())
     probe = JacobianProbe(every=1, samples=2, tokens=16, iters=50)
     rng = torch.cuda.get_rng_state()

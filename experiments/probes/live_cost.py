@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 
 from stabilitylab.config import PRESETS
-from stabilitylab.model import Encoder, masked_lm_loss_sum, vocab_size_for
+from stabilitylab.model import Transformer, masked_lm_loss_sum, vocab_size_for
 from stabilitylab.probes.live import JacobianProbe
 
 
@@ -75,7 +75,7 @@ def cost_table(
     rows = []
     for arm in ("softmax", "sigmoid"):
         torch.manual_seed(0)
-        model = Encoder(cfg.model, vocab, cfg.data.context_len, cfg.backend_for(arm, cuda=False))
+        model = Transformer(cfg.model, vocab, cfg.data.context_len, cfg.backend_for(arm, cuda=False))
         (step_s, step_cpu_s), (probe_s, probe_cpu_s) = interleaved_medians(
             [training_step(model, tokens_BT, lengths_B, labels_BT),
              lambda model=model: probe.measure(model, tokens_BT, lengths_B)],
