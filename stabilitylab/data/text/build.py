@@ -86,6 +86,8 @@ def prepare_corpus(
         meta = read_meta(out_dir, "")
         log(f"{out_dir} is up to date ({_summary(meta)}); nothing to do")
         return meta
+    if (out_dir / META_FILE).exists():
+        log(f"{out_dir} was built by another recipe or is incomplete; rebuilding it")
     started = time.perf_counter()
     encoder = load_gpt2(fetch_gpt2_bpe(root))
     paths = {}
