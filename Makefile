@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.txt pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test setup bench bench-kernels lint clean
+.PHONY: demo test setup data bench bench-kernels lint clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The offline text corpus for the causal-LM study: data/text/{train,val,test}.bin (idempotent).
+data: $(STAMP)
+	$(PY) experiments/prepare_text.py
 
 # GPU only (a CUDA torch in the active environment): the model step and kernel benchmarks.
 bench:
