@@ -9,7 +9,8 @@
 - summary.json says the arm finished (its steps reached ``train.steps``, or it diverged under
   ``on_divergence=stop``): nothing runs and nothing in the arm dir is rewritten.
 - no checkpoint: a fresh start, which also clears what a run killed before its first checkpoint
-  left behind.
+  left behind; but a run that ended (summary.json) and lost its checkpoint is refused, not
+  deleted.
 """
 
 from __future__ import annotations
@@ -105,6 +106,11 @@ def plan(cfg, arm_dir: Path, resolved: dict) -> Start:
     summary = _read_json(arm_dir / "summary.json")
     done = finished(summary, cfg.train.steps, cfg.train.on_divergence)
     if last is None and not done:
+        if summary is not None:  # an ended run whose checkpoint is gone: never delete it unasked
+            raise ResumeError(
+                f"{arm_dir} holds a run that ended at step {summary.get('steps')} and no "
+                "checkpoint to continue it from; --fresh=True starts over"
+            )
         return Start("fresh")
     manifest = checkpoint.verify(last) if last is not None else None
     saved = manifest["config"] if manifest else _read_json(arm_dir / "config.json")
