@@ -214,7 +214,7 @@ class Config:
     """Run the analysis report over the arms at the end."""
     fresh: bool = False
     """Start over: delete the arm dirs of this run (events, summary, checkpoints) first."""
-    trackers: tuple[Literal["wandb", "mlflow"], ...] = ()
+    trackers: list[Literal["wandb", "mlflow"]] = field(default_factory=list)
     """Trackers beside TensorBoard (always on), e.g. --trackers wandb; each must be installed."""
     num_workers: int | None = None
     """DataLoader processes building batches ahead of the step; None: 2 on CUDA, 0 on CPU."""

@@ -209,6 +209,6 @@ def test_a_tracker_that_is_not_installed_is_refused_before_any_work(monkeypatch)
 
     monkeypatch.setattr(loop, "build_source", no_data)
     cfg = tiny("/nonexistent", "--trackers", "wandb")
-    assert cfg.trackers == ("wandb",)
+    assert cfg.trackers == ["wandb"]
     with pytest.raises(C.ConfigError, match="config trackers: wandb not installed"):
         run(cfg)

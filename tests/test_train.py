@@ -1,5 +1,6 @@
 """The spine end to end on CPU: paired smoke run, divergence as an outcome, resume to the bit."""
 
+import importlib.util
 import json
 import math
 import os
@@ -150,6 +151,28 @@ def test_nonfinite_is_recorded_with_module_and_forensic_checkpoint(tmp_path, mon
 
     df = load_runs([d])
     assert (df[df.tag == tags.NONFINITE].step == 7).any()
+
+
+def test_the_script_exits_0_for_a_diverged_run(tmp_path, monkeypatch):
+    """Divergence is a result, not a failure: only an interrupted run exits non-zero."""
+    inject_fault(monkeypatch, "blocks.1.attn", float("inf"), lambda n: n > 2)
+    spec = importlib.util.spec_from_file_location(
+        "stress_8k", ROOT / "experiments" / "stress_8k.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = [
+        "--preset",
+        "smoke",
+        "--arm=softmax",
+        f"--out_dir={tmp_path}",
+        "--report=False",
+        "--telemetry.probe_every=0",
+        "--train.steps=6",
+    ]
+    assert script.main(argv) == 0
+    assert read_summary(tmp_path / "smoke" / "softmax")["status"] == "diverged"
+    assert script.EXIT_INTERRUPTED == EXIT_INTERRUPTED
 
 
 def test_continue_policy_runs_through_nonfinite_steps(tmp_path, monkeypatch):
