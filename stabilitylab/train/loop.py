@@ -91,6 +91,10 @@ class Arm:
     init_hash: str
     n_params: int
     policy: Policy | None = None
+    wall_base: float = 0.0
+    """Training time of the segments before this one (from the checkpoint)."""
+    wall_start: float = 0.0
+    """time.time() when this segment's loop started."""
 
     @property
     def accelerator(self):
@@ -99,7 +103,12 @@ class Arm:
     def say(self, msg: str) -> None:
         self.accelerator.print(f"[{self.name}] {msg}")
 
+    def tick(self, hist: History) -> None:
+        """Training time so far, all segments summed, into ``hist``."""
+        hist.wall_time_s = self.wall_base + time.time() - self.wall_start
+
     def save(self, name: str, step: int, hist: History, extra: dict | None = None) -> None:
+        self.tick(hist)
         checkpoint.save(
             self.dir / "checkpoints",
             name,
@@ -199,7 +208,7 @@ class Progress:
             self.bar.close()
 
 
-def _loop(a: Arm, loader, stopper: Stopper, progress: Progress, clock) -> int:
+def _loop(a: Arm, loader, stopper: Stopper, progress: Progress) -> int:
     """Train from ``a.start``; returns the number of steps done when the loop ends."""
     cfg, t, device = a.cfg, a.trainee, a.accelerator.device
     per_rank = cfg.train.global_batch // t.world
@@ -233,7 +242,6 @@ def _loop(a: Arm, loader, stopper: Stopper, progress: Progress, clock) -> int:
             break
         progress.update(step, numbers, dt)
         if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
-            clock()
             a.save(checkpoint.LAST, step, a.hist)
         if stopper.requested:
             break
@@ -271,22 +279,18 @@ def _train_arm(cfg: Config, arm: str, source):
         num_workers=workers,
         pin_memory=cuda,
     )
-    base_wall, t_start = a.hist.wall_time_s, time.time()
-
-    def clock() -> None:
-        a.hist.wall_time_s = base_wall + time.time() - t_start
-
+    a.wall_base, a.wall_start = a.hist.wall_time_s, time.time()
     progress = Progress(a)
     with Stopper() as stopper:
-        step = _loop(a, loader, stopper, progress, clock)
+        step = _loop(a, loader, stopper, progress)
     progress.close()
-    return _finish(a, step, stopper.requested, clock), accelerator, stopper.requested
+    return _finish(a, step, stopper.requested), accelerator, stopper.requested
 
 
-def _finish(a: Arm, step: int, interrupted: bool, clock) -> dict:
+def _finish(a: Arm, step: int, interrupted: bool) -> dict:
     """Last checkpoint, trackers closed, summary written; the arm's memory released."""
     cfg, accelerator = a.cfg, a.accelerator
-    clock()
+    a.tick(a.hist)
     if a.policy.divergence is None or cfg.train.on_divergence == "continue":
         a.save(checkpoint.LAST, step, a.hist)
     end_trackers(accelerator)
