@@ -24,11 +24,22 @@ TRAIN_DESCRIPTION = (
 )
 USAGE_ERROR = 2
 """Exit code of a refused input (argparse and tyro use it too)."""
+EXIT_INTERRUPTED = 75
+"""sysexits.h EX_TEMPFAIL: SIGTERM / SIGINT stopped the run after a checkpoint; rerun to resume."""
+
+
+def _input_errors() -> tuple[type[Exception], ...]:
+    """Errors that mean bad input (config, data, checkpoint, resume), not a bug."""
+    from stabilitylab.train.checkpoint import CheckpointError
+    from stabilitylab.train.resume import ResumeError
+
+    return (ConfigError, DataError, CheckpointError, ResumeError)
 
 
 @contextlib.contextmanager
 def cli_errors() -> Iterator[None]:
-    """Turn ConfigError / DataError into ``error: <message>`` and ``SystemExit(2)``.
+    """Turn bad input (ConfigError, DataError, CheckpointError, ResumeError) into
+    ``error: <message>`` and ``SystemExit(2)``.
 
     A context manager and a decorator::
 
@@ -40,7 +51,7 @@ def cli_errors() -> Iterator[None]:
     """
     try:
         yield
-    except (ConfigError, DataError) as e:
+    except _input_errors() as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(USAGE_ERROR) from None
 
@@ -48,8 +59,9 @@ def cli_errors() -> Iterator[None]:
 def train_main(argv: list[str] | None = None) -> int:
     """The paired stress run (``experiments/stress_8k.py``): parse the config, train, report.
 
-    Returns the exit code: 0 when every arm ran, 1 when none did, 2 for bad input or a GPU
-    preset without CUDA.
+    Returns the exit code: 0 when every arm ran to its end (stable or diverged: both are
+    results), ``EXIT_INTERRUPTED`` (75) when SIGTERM / SIGINT stopped it, 1 when no arm ran, 2
+    for bad input or a GPU preset without CUDA.
     """
     with cli_errors():
         cfg = parse(argv, default_preset="stress_8k", description=TRAIN_DESCRIPTION)
@@ -66,6 +78,8 @@ def train_main(argv: list[str] | None = None) -> int:
         from stabilitylab.train import run  # after the checks: refuse at once, before heavy imports
 
         summaries = run(cfg)
+    if any(s.get("interrupted_by_signal") for s in summaries.values()):
+        return EXIT_INTERRUPTED
     return 0 if summaries else 1
 
 

@@ -238,7 +238,9 @@ class TrainConfig:
     seed: int = 42
     """Seed of the weights, the data order and the masks (both arms share it)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """auto: bf16 autocast on CUDA, fp32 on CPU."""
+    """The default only: a mixed precision from `accelerate launch` (its --mixed_precision,
+    --config_file, or the `accelerate config` file) or ACCELERATE_MIXED_PRECISION wins.
+    auto: bf16 autocast on CUDA, fp32 on CPU."""
     on_divergence: Literal["stop", "continue"] = "stop"
     """Policy once the run is diverged (non-finite, or loss+grad-norm detectors fire)."""
     checkpoint_every: int = 1000
@@ -335,12 +337,20 @@ class Config:
     """softmax: PyTorch SDPA (fast; its GPU backward is not bit-reproducible run to run);
     softmax-flex: FlexAttention (score_mod for the gate bias, block mask for causal + padding);
     softmax-reference: eager n x n (reproducible)."""
-    resume: bool = True
-    """Continue from <run dir>/checkpoints/last.pt when it exists."""
+    resume: Literal["auto", "force"] = "auto"
+    """auto: continue from <arm dir>/checkpoints/last/ when it exists, refusing a config that
+    differs from the checkpoint's in a key that changes training (the error names the keys);
+    force: continue anyway and record the change in provenance.json ("resumes")."""
     allow_cpu: bool = False
     """Run a GPU preset on a machine without CUDA anyway (slow; for checks)."""
     report: bool = True
     """Run the analysis report over the arms at the end."""
+    fresh: bool = False
+    """Start over: delete the arm dirs of this run (events, summary, checkpoints) first."""
+    trackers: list[Literal["wandb", "mlflow"]] = field(default_factory=list)
+    """Trackers beside TensorBoard (always on), e.g. --trackers wandb; each must be installed."""
+    num_workers: int | None = None
+    """DataLoader processes building batches ahead of the step; None: 2 on CUDA, 0 on CPU."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model shape and stress knobs."""
     data: DataConfig = field(default_factory=DataConfig)

@@ -1,12 +1,17 @@
-"""Run directories: layout, resolved config, provenance and the final summary.
+"""Run directories: layout, resolved config, vocabulary, provenance and the final summary.
 
 <out_dir>/<name>/<arm>/
-    config.json        resolved config (+ arm and backend)
-    provenance.json    git commit / dirty flag, torch / triton / CUDA / GPU, host, command, and
-                       at the end the Triton autotune choices made so far in the process
+    config.json        resolved config the arm started with (+ arm, backend, mixed_precision;
+                       data.n_genes is the source's real vocabulary, e.g. an .h5ad file's genes)
+    vocab.json         token id -> gene name: token ``t >= gene_token_offset`` is gene
+                       ``genes[t - gene_token_offset]``; the ids below are the special tokens
+    provenance.json    git commit / dirty flag, torch / triton / CUDA / GPU, host, command of the
+                       first start; "resumes" lists every later start (step, command, and any
+                       config change forced with --resume=force); at the end of each segment
+                       the Triton autotune choices made so far in the process
     events.out.tfevents.*   TensorBoard scalars (written live)
-    checkpoints/       last.pt, forensic_step<N>.pt on divergence
-    summary.json       written at the end of every run, also a diverged or interrupted one
+    checkpoints/       last/ and, on divergence, forensic_step<N>/ (stabilitylab.train.checkpoint)
+    summary.json       written at the end of every run segment, also a diverged or interrupted one
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -23,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from stabilitylab.config import Config, to_dict
+from stabilitylab.config import N_SPECIAL_TOKENS, Config, to_dict
+from stabilitylab.data.batch import CLS_ID, MASK_ID, PAD_ID
 
 
 def arm_dir(cfg: Config, arm: str) -> Path:
@@ -90,12 +97,41 @@ def _finite_or_str(x: float | None):
     return x if math.isfinite(x) else str(x)
 
 
-def start_arm(cfg: Config, arm: str, backend: str) -> Path:
-    d = arm_dir(cfg, arm)
-    (d / "checkpoints").mkdir(parents=True, exist_ok=True)
-    write_json(d / "config.json", {**to_dict(cfg), "arm": arm, "backend": backend})
-    write_json(d / "provenance.json", provenance())
+def resolved_config(cfg: Config, arm: str, backend: str, n_genes: int, precision: str) -> dict:
+    """The config an arm runs with, as config.json records it."""
+    d = {**to_dict(cfg), "arm": arm, "backend": backend, "mixed_precision": precision}
+    d["data"] = {**d["data"], "n_genes": n_genes}  # the source's vocabulary, not the default
     return d
+
+
+def start_arm(d: Path, config: dict, gene_names: list[str]) -> Path:
+    """A fresh arm dir: whatever an earlier run left there is deleted first."""
+    if d.exists():
+        shutil.rmtree(d)
+    (d / "checkpoints").mkdir(parents=True)
+    write_json(d / "config.json", config)
+    write_json(d / "provenance.json", provenance())
+    write_json(
+        d / "vocab.json",
+        {
+            "special_tokens": {"<pad>": PAD_ID, "<mask>": MASK_ID, "<cls>": CLS_ID},
+            "gene_token_offset": N_SPECIAL_TOKENS,
+            "genes": list(gene_names),
+        },
+    )
+    return d
+
+
+def record_resume(d: Path, step: int, changes: dict) -> None:
+    """A later start of the arm joins provenance.json's "resumes" (the first start stays)."""
+    path = d / "provenance.json"
+    info = json.loads(path.read_text()) if path.is_file() else {}
+    now = provenance()
+    entry = {k: now[k] for k in ("command", "started", "host", "git_commit", "world_size")}
+    entry["step"] = step
+    if changes:
+        entry["config_changes"] = changes
+    write_json(path, {**info, "resumes": [*info.get("resumes", []), entry]})
 
 
 def add_provenance(d: Path, **fields) -> None:
@@ -109,3 +145,67 @@ def write_summary(d: Path, **fields) -> dict:
     summary = {k: (_finite_or_str(v) if isinstance(v, float) else v) for k, v in fields.items()}
     write_json(d / "summary.json", summary)
     return summary
+
+
+def arm_summary(
+    *,
+    arm: str,
+    backend: str,
+    status: str,
+    divergence,
+    hist,
+    steps: int,
+    interrupted: bool,
+    params: int,
+    init_hash: str,
+    peak_lr: float,
+    log_logits: bool,
+    peak_mem_gib: float | None,
+) -> dict:
+    """The summary.json fields of an arm: outcome, extremes, first and last loss, cost.
+    ``divergence`` and ``hist`` are the trainer's (``stabilitylab.train.policy``) records."""
+    div = divergence
+    finite_gn = [g for g in hist.grad_norm if math.isfinite(g)]
+    finite_loss = [x for x in hist.loss if math.isfinite(x)]
+    return {
+        "arm": arm,
+        "backend": backend,
+        "status": status,
+        "divergence_step": None if div is None else div.step,
+        "divergence_reason": None if div is None else div.reason,
+        "first_nonfinite_module": None if div is None else div.module,
+        "nonfinite_steps": len(hist.nonfinite_steps),
+        "max_grad_norm": max(finite_gn) if finite_gn else None,
+        "max_logit": hist.max_logit if log_logits else None,
+        "steps": steps,
+        "wall_time_s": hist.wall_time_s,
+        "peak_mem_gib": peak_mem_gib,
+        "initial_loss": hist.loss[0] if hist.loss else None,
+        "final_loss": finite_loss[-1] if finite_loss else None,
+        "params": params,
+        "init_hash": init_hash,
+        "peak_lr": peak_lr,
+        "interrupted_by_signal": interrupted,
+    }
+
+
+SUMMARY_COLUMNS = (
+    "status",
+    "divergence_step",
+    "steps",
+    "initial_loss",
+    "final_loss",
+    "max_grad_norm",
+    "max_logit",
+    "wall_time_s",
+)
+
+
+def print_summaries(summaries: dict[str, dict]) -> None:
+    print("\narm      " + " ".join(f"{c:>15}" for c in SUMMARY_COLUMNS))
+    for arm, s in summaries.items():
+        cells = []
+        for c in SUMMARY_COLUMNS:
+            v = s.get(c)
+            cells.append(f"{v:>15.4g}" if isinstance(v, float) else f"{v!s:>15}")
+        print(f"{arm:<8} " + " ".join(cells))

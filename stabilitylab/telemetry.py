@@ -1,9 +1,12 @@
-"""Telemetry: one TensorBoard writer and the monitors that feed it.
+"""Telemetry: the monitors, throughput and MFU, and the trackers the numbers go to.
 
 Monitors do work only on the steps they measure (``due(step)``); with every cadence at 0 the
-trainer runs no hook and no extra reduction. Reductions happen on the device and are brought to
-the host once per logged step (``.tolist()`` on one stacked tensor), not once per metric.
+trainer runs no hook and no extra reduction. Reductions happen on the device and reach the host
+in the step's one read (``stabilitylab.train.step.read_numbers``), not once per metric.
 Tag names live in ``stabilitylab.tags``.
+
+Trackers go through accelerate's tracker API: TensorBoard always (event files in the arm dir,
+which ``stabilitylab.analysis.events`` reads), plus W&B / MLflow when ``--trackers`` names them.
 """
 
 from __future__ import annotations
@@ -12,33 +15,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.utils import get_total_norm
 
 from stabilitylab import tags
-
-
-class Writer:
-    """TensorBoard scalars, main process only (a no-op elsewhere). Flushed every few seconds."""
-
-    def __init__(self, log_dir: Path | None, flush_secs: int = 5):
-        self._w = None
-        if log_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._w = SummaryWriter(log_dir=str(log_dir), flush_secs=flush_secs)
-
-    def scalars(self, values: dict[str, float], step: int) -> None:
-        if self._w is None:
-            return
-        for tag, v in values.items():
-            self._w.add_scalar(tag, v, step)
-
-    def flush(self) -> None:
-        if self._w is not None:
-            self._w.flush()
-
-    def close(self) -> None:
-        if self._w is not None:
-            self._w.close()
+from stabilitylab.model import dense_parameter_count, flops_per_step
 
 
 def layer_param_groups(model: nn.Module) -> list[list[torch.Tensor]]:
@@ -47,24 +27,16 @@ def layer_param_groups(model: nn.Module) -> list[list[torch.Tensor]]:
 
 
 def _group_norms(tensors_per_group: list[list[torch.Tensor]]) -> torch.Tensor:
-    """L2 norm of each group of tensors, on the device: ``norms_G``."""
-    flat = [t for g in tensors_per_group for t in g]
-    if not flat:
+    """L2 norm of each group of tensors, on the device: ``norms_G`` (0 for an empty group)."""
+    if not tensors_per_group:
         return torch.zeros(0)
-    norms = torch._foreach_norm([t.detach().float() for t in flat])
-    out, i = [], 0
-    for g in tensors_per_group:
-        out.append(torch.linalg.vector_norm(torch.stack(norms[i : i + len(g)])))
-        i += len(g)
-    return torch.stack(out)
+    return torch.stack([get_total_norm([t.detach() for t in g]) for g in tensors_per_group])
 
 
 def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     """Global L2 norm of all gradients (float32, on the device), before any clipping."""
-    grads = [p.grad.detach().float() for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    return get_total_norm(grads).float()
 
 
 class LayerStatsMonitor:
@@ -180,3 +152,135 @@ def first_nonfinite_module(model: nn.Module, run_forward) -> str | None:
         for h in handles:
             h.remove()
     return found[0] if found else None
+
+
+# ---- throughput and MFU ---------------------------------------------------------------------
+
+# Dense bf16 peak (TFLOPS) by GPU name fragment, for MFU.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "4090": 165.0}
+
+
+def peak_tflops_for(device_name: str) -> float | None:
+    """Dense bf16 peak of the GPU named ``device_name``; None for an unknown GPU."""
+    return next((v for k, v in PEAK_TFLOPS.items() if k in device_name), None)
+
+
+def mfu(flops_per_step: float, step_time_s: float, peak_tflops: float, world: int) -> float:
+    """Model FLOPs utilisation: achieved FLOP/s of all processes over their summed peak."""
+    return flops_per_step / step_time_s / (peak_tflops * 1e12 * world)
+
+
+# ---- trackers -------------------------------------------------------------------------------
+
+
+def missing_trackers(names) -> list[str]:
+    """The trackers among ``names`` that are not installed (accelerate would drop them silently)."""
+    from accelerate.utils import is_mlflow_available, is_wandb_available
+
+    available = {"wandb": is_wandb_available, "mlflow": is_mlflow_available}
+    return [n for n in names if not available[n]()]
+
+
+def trackers_for(arm_dir: Path, extra, purge_step: int | None, flush_secs: int) -> list:
+    """``log_with`` for an arm: TensorBoard writing into ``arm_dir`` (``purge_step``: a resumed
+    run hides the killed run's points from that step on), then the optional trackers by name."""
+    from accelerate.tracking import TensorBoardTracker
+
+    kwargs = {"flush_secs": flush_secs}
+    if purge_step:
+        kwargs["purge_step"] = purge_step
+    return [TensorBoardTracker(arm_dir.name, arm_dir.parent, **kwargs), *extra]
+
+
+def start_trackers(accelerator, run_name: str, arm: str, arm_dir: Path, config: dict) -> None:
+    """Start the arm's trackers. The config goes to W&B / MLflow only: TensorBoard's hparams
+    would add a second event folder inside the arm dir, which the analysis would take for a run."""
+    accelerator.init_trackers(
+        run_name,
+        init_kwargs={
+            "wandb": {"name": arm, "group": run_name, "dir": str(arm_dir), "config": config},
+            "mlflow": {"run_name": f"{run_name}/{arm}"},
+        },
+    )
+    mlflow = [t for t in accelerator.trackers if t.name == "mlflow"]
+    if mlflow:
+        mlflow[0].store_init_configuration(_flat(config))
+
+
+def end_trackers(accelerator) -> None:
+    """Close the arm's trackers. ``end_training`` would also tear down the process group, which
+    the next arm of the run still needs; the run calls it once, after the last arm."""
+    for tracker in accelerator.trackers:
+        tracker.finish()
+    accelerator.trackers = []
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# ---- one step's scalars ---------------------------------------------------------------------
+
+
+class StepTelemetry:
+    """The monitors of a run and the step -> scalars mapping the trackers receive.
+
+    ``numbers`` is the step's host read (``stabilitylab.train.step.StepNumbers``); ``data`` the
+    step's batch (its host-side lengths feed the FLOP count, its first micro-batch the probe).
+    """
+
+    def __init__(self, cfg, model: nn.Module, *, world: int, cuda: bool):
+        t = cfg.telemetry
+        self.log_every, self.world, self.cuda = t.log_every, world, cuda
+        self.model_cfg, self.n_dense = cfg.model, dense_parameter_count(model)
+        self.layer = LayerStatsMonitor(t.layer_every)
+        self.logit = LogitMonitor(t.logit_every)
+        self.probe = None
+        if t.probe_every > 0:
+            from stabilitylab.probes.live import JacobianProbe
+
+            self.probe = JacobianProbe(
+                t.probe_every, t.probe_samples, t.probe_tokens, t.probe_iters, seed=cfg.train.seed
+            )
+        self.peak_tflops = cfg.train.peak_tflops
+        if self.peak_tflops is None and cuda:
+            self.peak_tflops = peak_tflops_for(torch.cuda.get_device_name())
+
+    def logged(self, step: int) -> bool:
+        return bool(self.log_every) and step % self.log_every == 0
+
+    def scalars(self, step: int, numbers, data, step_time_s: float, lr: float, model, main: bool):
+        """Tag -> value for this step (empty on a step nothing measures)."""
+        out: dict[str, float] = {}
+        if not numbers.finite:
+            out[tags.NONFINITE] = 1.0
+        if self.logged(step):
+            out.update(self._throughput(numbers, data, step_time_s))
+            out[tags.LOSS], out[tags.GRAD_NORM], out[tags.LR] = numbers.loss, numbers.grad_norm, lr
+        if numbers.finite and numbers.layer_stats_3L is not None:
+            out.update(LayerStatsMonitor.to_scalars(numbers.layer_stats_3L))
+        if numbers.max_LH is not None:
+            out.update(LogitMonitor.to_scalars(numbers.max_LH))
+        if main and self.probe is not None and self.probe.due(step):
+            b = data.micro[0]
+            sigmas = self.probe.measure(model, b.tokens_BT, b.lengths_B)
+            out.update({tags.layer(tags.JACOBIAN_LAYER, i): s for i, s in sigmas.items()})
+        return out
+
+    def _throughput(self, numbers, data, step_time_s: float) -> dict[str, float]:
+        out = {
+            tags.STEP_TIME: step_time_s,
+            tags.TOKENS_PER_S: numbers.n_tokens / step_time_s,
+        }
+        if self.peak_tflops:
+            flops = flops_per_step(self.model_cfg, self.n_dense, data.lengths) * self.world
+            out[tags.MFU] = mfu(flops, step_time_s, self.peak_tflops, self.world)
+        if self.cuda:  # the allocator's own counter: no device sync
+            out[tags.PEAK_MEM] = torch.cuda.max_memory_allocated() / 2**30
+        return out

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from stabilitylab import tags
+from stabilitylab.train.checkpoint import read_state
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
 def free_port() -> int:
@@ -154,12 +155,16 @@ def test_two_cpu_processes_match_one_at_the_same_global_batch(tmp_path):
     assert two.returncode == 0, two.stderr[-3000:]
     d1, d2 = tmp_path / "one" / "smoke" / "softmax", tmp_path / "two" / "smoke" / "softmax"
     assert json.loads((d2 / "provenance.json").read_text())["world_size"] == 2
-    assert (d2 / "checkpoints" / "last.rng0.pt").exists() and (
-        d2 / "checkpoints" / "last.rng1.pt"
-    ).exists()
+    last2 = d2 / "checkpoints" / "last"
+    manifest = json.loads((last2 / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and sorted(manifest["files"]) == [
+        "rng0.pt",
+        "rng1.pt",
+        "state.pt",
+    ]
     assert "processes=2" in two.stdout + two.stderr
-    h1 = torch.load(d1 / "checkpoints" / "last.pt", weights_only=False)["history"]["loss"]
-    h2 = torch.load(d2 / "checkpoints" / "last.pt", weights_only=False)["history"]["loss"]
+    h1 = read_state(d1 / "checkpoints" / "last")["history"]["loss"]
+    h2 = read_state(last2)["history"]["loss"]
     assert len(h1) == len(h2) == 12
     torch.testing.assert_close(torch.tensor(h2), torch.tensor(h1), rtol=1e-5, atol=1e-6)
     assert h1[-1] < h1[0]

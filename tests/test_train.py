@@ -11,11 +11,14 @@ from pathlib import Path
 
 import torch
 
+from stabilitylab import cli, tags
 from stabilitylab import config as C
-from stabilitylab import tags
-from stabilitylab.train import run
+from stabilitylab.cli import train_main
+from stabilitylab.train import build, run
+from stabilitylab.train.checkpoint import read_state
 
 ROOT = Path(__file__).resolve().parent.parent
+EXIT_INTERRUPTED = 75  # stabilitylab.cli, the exit code experiments/stress_8k.py returns
 
 
 def smoke(tmp_path, *overrides):
@@ -34,6 +37,11 @@ def smoke(tmp_path, *overrides):
 
 def read_summary(d: Path) -> dict:
     return json.loads((d / "summary.json").read_text())
+
+
+def last_state(arm_dir: Path) -> dict:
+    """The verified state of an arm's last checkpoint (model, optimizer, step, history)."""
+    return read_state(arm_dir / "checkpoints" / "last")
 
 
 def test_paired_smoke_run_writes_everything(tmp_path):
@@ -60,8 +68,11 @@ def test_paired_smoke_run_writes_everything(tmp_path):
         prov = json.loads((d / "provenance.json").read_text())
         assert prov["torch"] == torch.__version__ and "git_commit" in prov and "git_dirty" in prov
         assert prov["autotune"] == {}  # the CPU interpreter does not autotune
-        assert list(d.glob("events.out.tfevents.*"))
-        assert (d / "checkpoints" / "last.pt").exists()
+        assert len(list(d.glob("events.out.tfevents.*"))) == 1
+        assert last_state(d)["step"] == 30
+        vocab = json.loads((d / "vocab.json").read_text())
+        assert vocab["gene_token_offset"] == C.N_SPECIAL_TOKENS and len(vocab["genes"]) == 512
+        assert conf["data"]["n_genes"] == 512 and conf["mixed_precision"] == "no"
     assert len(hashes) == 1, "both arms must start from identical weights"
     report = tmp_path / "smoke" / "report"
     for name in ("report.md", "summary.csv", "scalars.csv", "figure.png", "heatmap.png"):
@@ -71,9 +82,7 @@ def test_paired_smoke_run_writes_everything(tmp_path):
 
 def _history(tmp_path, *overrides):
     run(smoke(tmp_path, "--arm=sigmoid", "--train.steps=25", "--model.dropout=0.1", *overrides))
-    return torch.load(
-        tmp_path / "smoke" / "sigmoid" / "checkpoints" / "last.pt", weights_only=False
-    )
+    return last_state(tmp_path / "smoke" / "sigmoid")
 
 
 def test_live_probe_does_not_change_the_trajectory(tmp_path):
@@ -97,9 +106,7 @@ def test_smoke_loss_curve_matches_the_committed_golden_curve(tmp_path):
     data or optimizer change: python tests/golden/make_golden.py)."""
     golden = json.loads(GOLDEN.read_text())
     run(smoke(tmp_path, "--arm=softmax", f"--train.steps={len(golden['loss'])}"))
-    loss = torch.load(
-        tmp_path / "smoke" / "softmax" / "checkpoints" / "last.pt", weights_only=False
-    )["history"]["loss"]
+    loss = last_state(tmp_path / "smoke" / "softmax")["history"]["loss"]
     torch.testing.assert_close(
         torch.tensor(loss), torch.tensor(golden["loss"]), rtol=1e-4, atol=1e-4
     )
@@ -108,20 +115,18 @@ def test_smoke_loss_curve_matches_the_committed_golden_curve(tmp_path):
 def inject_fault(monkeypatch, module: str, value: float, bad_calls) -> None:
     """Make ``model.<module>``'s output ``* value`` on the forward calls for which
     ``bad_calls(n)`` holds (n counts that module's calls from 1)."""
-    import stabilitylab.train as T
-
-    build, calls = T.build_model, {"n": 0}
+    build_model, calls = build.build_model, {"n": 0}
 
     def poison(_mod, _inp, out):
         calls["n"] += 1
         return out * value if bad_calls(calls["n"]) else out
 
     def build_with_fault(cfg, backend, vocab):
-        model = build(cfg, backend, vocab)
+        model = build_model(cfg, backend, vocab)
         model.get_submodule(module).register_forward_hook(poison)
         return model
 
-    monkeypatch.setattr(T, "build_model", build_with_fault)
+    monkeypatch.setattr(build, "build_model", build_with_fault)
 
 
 def test_nonfinite_is_recorded_with_module_and_forensic_checkpoint(tmp_path, monkeypatch):
@@ -131,18 +136,38 @@ def test_nonfinite_is_recorded_with_module_and_forensic_checkpoint(tmp_path, mon
     d = tmp_path / "smoke" / "softmax"
     assert s["status"] == "diverged" and s["divergence_step"] == 7
     assert s["first_nonfinite_module"] == "blocks.1.attn"
-    assert (d / "checkpoints" / "forensic_step7.pt").exists()
-    assert (d / "checkpoints" / "last.pt").exists()
+    assert last_state(d)["step"] == 6  # the periodic checkpoint before the divergence
     assert read_summary(d)["status"] == "diverged"
-    forensic = torch.load(d / "checkpoints" / "forensic_step7.pt", weights_only=False)
+    forensic = read_state(d / "checkpoints" / "forensic_step7")
     assert all(torch.isfinite(p).all() for p in forensic["model"].values()), (
         "weights before the bad update"
     )
+    assert forensic["step"] == 7 and forensic["history"]["steps"] == list(range(7))
+    manifest = json.loads((d / "checkpoints" / "forensic_step7" / "manifest.json").read_text())
+    assert manifest["extra"]["divergence"]["module"] == "blocks.1.attn"
+    assert manifest["extra"]["batch_indices"] == [7 * 16, 16]
 
     from stabilitylab.analysis.events import load_runs
 
     df = load_runs([d])
     assert (df[df.tag == tags.NONFINITE].step == 7).any()
+
+
+def test_the_script_exits_0_for_a_diverged_run(tmp_path, monkeypatch):
+    """Divergence is a result, not a failure: only an interrupted run exits non-zero."""
+    inject_fault(monkeypatch, "blocks.1.attn", float("inf"), lambda n: n > 2)
+    argv = [
+        "--preset",
+        "smoke",
+        "--arm=softmax",
+        f"--out_dir={tmp_path}",
+        "--report=False",
+        "--telemetry.probe_every=0",
+        "--train.steps=6",
+    ]
+    assert train_main(argv) == 0
+    assert read_summary(tmp_path / "smoke" / "softmax")["status"] == "diverged"
+    assert cli.EXIT_INTERRUPTED == EXIT_INTERRUPTED
 
 
 def test_continue_policy_runs_through_nonfinite_steps(tmp_path, monkeypatch):
@@ -167,12 +192,17 @@ def _cmd(out_dir, steps):
         "--model.dropout=0.1",
         "--train.checkpoint_every=10",
         "--telemetry.logit_every=7",
+        # Smaller cells and batch than the smoke preset (two micro-batches, so the accumulation
+        # path is resumed too): the test is about the resume, not the model.
+        "--data.context_len=64",
+        "--train.global_batch=8",
+        "--train.micro_batch=4",
     ]
 
 
 def test_sigterm_then_resume_is_bitwise_identical(tmp_path):
     steps = 60
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     straight = subprocess.run(
         _cmd(tmp_path / "a", steps), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
@@ -185,13 +215,15 @@ def test_sigterm_then_resume_is_bitwise_identical(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    last = tmp_path / "b" / "smoke" / "sigmoid" / "checkpoints" / "last.pt"
+    b_dir = tmp_path / "b" / "smoke" / "sigmoid"
     deadline = time.time() + 240
-    while not last.exists() and proc.poll() is None and time.time() < deadline:
+    while not (b_dir / "checkpoints" / "last").exists() and proc.poll() is None:
+        assert time.time() < deadline, "no checkpoint within 240 s"
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=240)
-    first = read_summary(tmp_path / "b" / "smoke" / "sigmoid")
+    assert proc.returncode == EXIT_INTERRUPTED
+    first = read_summary(b_dir)
     assert first["status"] == "interrupted" and 10 <= first["steps"] < steps, first
 
     resumed = subprocess.run(
@@ -200,10 +232,7 @@ def test_sigterm_then_resume_is_bitwise_identical(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
 
-    a = torch.load(
-        tmp_path / "a" / "smoke" / "sigmoid" / "checkpoints" / "last.pt", weights_only=False
-    )
-    b = torch.load(last, weights_only=False)
+    a, b = last_state(tmp_path / "a" / "smoke" / "sigmoid"), last_state(b_dir)
     assert a["step"] == b["step"] == steps
     assert a["history"]["loss"] == b["history"]["loss"], "loss curve must match to the last bit"
     assert a["history"]["grad_norm"] == b["history"]["grad_norm"]
@@ -214,8 +243,7 @@ def test_sigterm_then_resume_is_bitwise_identical(tmp_path):
 def test_clipping_is_applied_only_when_asked(tmp_path):
     def losses(name, *overrides):
         run(smoke(tmp_path / name, "--arm=softmax", "--train.steps=6", *overrides))
-        ckpt = tmp_path / name / "smoke" / "softmax" / "checkpoints" / "last.pt"
-        return torch.load(ckpt, weights_only=False)["history"]["loss"]
+        return last_state(tmp_path / name / "smoke" / "softmax")["history"]["loss"]
 
     off = losses("off")
     assert losses("loose", "--train.clip_grad=1e9") == off  # coefficient 1: the same update

@@ -75,7 +75,9 @@ def cost_table(
     rows = []
     for arm in ("softmax", "sigmoid"):
         torch.manual_seed(0)
-        model = Transformer(cfg.model, vocab, cfg.data.context_len, cfg.backend_for(arm, cuda=False))
+        model = Transformer(
+            cfg.model, vocab, cfg.data.context_len, cfg.backend_for(arm, cuda=False)
+        )
         (step_s, step_cpu_s), (probe_s, probe_cpu_s) = interleaved_medians(
             [training_step(model, tokens_BT, lengths_B, labels_BT),
              lambda model=model: probe.measure(model, tokens_BT, lengths_B)],

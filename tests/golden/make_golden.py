@@ -8,6 +8,7 @@ import torch
 
 from stabilitylab.config import parse
 from stabilitylab.train import run
+from stabilitylab.train.checkpoint import read_state
 
 STEPS = 30
 
@@ -25,9 +26,7 @@ if __name__ == "__main__":
             ]
         )
         run(cfg)
-        ckpt = torch.load(
-            Path(tmp) / "smoke" / "softmax" / "checkpoints" / "last.pt", weights_only=False
-        )
+        ckpt = read_state(Path(tmp) / "smoke" / "softmax" / "checkpoints" / "last")
     out = Path(__file__).with_name("smoke_softmax_loss.json")
     out.write_text(
         json.dumps(

@@ -1,0 +1,166 @@
+"""One optimizer step's micro-batches per item, built by a torch DataLoader.
+
+    loader = step_loader(source, cfg, rank=r, world=w, start=s, num_workers=2, pin_memory=True)
+    for data in loader:            # data.step = s, s + 1, ... cfg.train.steps - 1
+        ...
+
+Item ``step`` of :class:`StepBatches` is this rank's share of the global batch of that step:
+``accum`` micro-batches of ``micro_batch`` cells each, micro-batch ``i`` holding the global samples
+``step * global_batch + rank * per_rank + i * micro_batch + [0, micro_batch)`` with
+``per_rank = global_batch / world``. So the data order depends on the seed and the global batch
+only, never on the process count or the number of loader workers (each cell's masking draws from
+its own generator, see :mod:`stabilitylab.data.batch`).
+
+The loader never touches the global torch RNG (it gets its own generator), so dropout draws in
+the training step are the same with or without the loader, and after a resume.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from stabilitylab.config import Config
+from stabilitylab.data.batch import Batch, make_batch
+from stabilitylab.data.source import CellSource
+
+
+@dataclass
+class StepBatch:
+    """This rank's micro-batches of one optimizer step and the counts its loss needs."""
+
+    step: int
+    micro: list[Batch]
+    counts_2: torch.Tensor
+    """float32 ``[masked tokens, valid tokens]`` of this rank's micro-batches."""
+    lengths: list[int]
+    """Valid tokens of every sequence, host integers (the FLOP count reads them, no sync)."""
+    first_index: int
+    """Global sample index of this rank's first cell of the step."""
+
+    def pin_memory(self) -> StepBatch:
+        """Page-locked copies, so that ``to(device, non_blocking=True)`` is truly asynchronous
+        (the DataLoader's pin-memory thread calls this)."""
+        return StepBatch(
+            self.step,
+            [
+                Batch(
+                    tokens_BT=b.tokens_BT.pin_memory(),
+                    labels_BT=b.labels_BT.pin_memory(),
+                    lengths_B=b.lengths_B.pin_memory(),
+                    indices=b.indices,
+                    n_masked=b.n_masked,
+                )
+                for b in self.micro
+            ],
+            self.counts_2.pin_memory(),
+            self.lengths,
+            self.first_index,
+        )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> StepBatch:
+        return StepBatch(
+            self.step,
+            [b.to(device, non_blocking=non_blocking) for b in self.micro],
+            self.counts_2.to(device, non_blocking=non_blocking),
+            self.lengths,
+            self.first_index,
+        )
+
+
+class StepBatches(Dataset):
+    """Map-style dataset over optimizer steps: item ``step`` is a :class:`StepBatch`."""
+
+    def __init__(
+        self,
+        source: CellSource,
+        *,
+        global_batch: int,
+        micro_batch: int,
+        rank: int,
+        world: int,
+        context_len: int,
+        mask_prob: float,
+        seed: int,
+    ):
+        if global_batch % (micro_batch * world):
+            raise ValueError(
+                f"global_batch={global_batch} is not a multiple of micro_batch={micro_batch} "
+                f"x processes={world}"
+            )
+        if not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, {world}), got {rank}")
+        self.source = source
+        self.global_batch, self.micro_batch = global_batch, micro_batch
+        self.rank, self.per_rank = rank, global_batch // world
+        self.accum = self.per_rank // micro_batch
+        self.context_len, self.mask_prob, self.seed = context_len, mask_prob, seed
+
+    def first_index(self, step: int) -> int:
+        return step * self.global_batch + self.rank * self.per_rank
+
+    def __getitem__(self, step: int) -> StepBatch:
+        base = self.first_index(step)
+        micro = [
+            make_batch(
+                self.source,
+                range(base + i * self.micro_batch, base + (i + 1) * self.micro_batch),
+                context_len=self.context_len,
+                mask_prob=self.mask_prob,
+                seed=self.seed,
+            )
+            for i in range(self.accum)
+        ]
+        lengths = [int(n) for b in micro for n in b.lengths_B.tolist()]  # CPU tensors: no sync
+        counts_2 = torch.tensor([sum(b.n_masked for b in micro), sum(lengths)], dtype=torch.float32)
+        return StepBatch(step, micro, counts_2, lengths, base)
+
+
+def _as_is(item: StepBatch) -> StepBatch:
+    return item
+
+
+def _ignore_stop_signals(_worker_id: int) -> None:
+    """Workers leave SIGINT / SIGTERM to the training process, which stops at the end of a step
+    and shuts them down; Ctrl-C reaches the whole process group and would otherwise kill them
+    mid-batch. A worker whose parent dies exits on its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def step_loader(
+    source: CellSource,
+    cfg: Config,
+    *,
+    rank: int,
+    world: int,
+    start: int,
+    num_workers: int,
+    pin_memory: bool,
+) -> DataLoader:
+    """Steps ``start .. cfg.train.steps - 1`` of this rank, ``num_workers`` building ahead."""
+    dataset = StepBatches(
+        source,
+        global_batch=cfg.train.global_batch,
+        micro_batch=cfg.train.micro_batch,
+        rank=rank,
+        world=world,
+        context_len=cfg.data.context_len,
+        mask_prob=cfg.data.mask_prob,
+        seed=cfg.train.seed,
+    )
+    return DataLoader(
+        dataset,
+        batch_size=None,  # an item already is one step's batch
+        sampler=range(start, cfg.train.steps),
+        num_workers=num_workers,
+        collate_fn=_as_is,
+        pin_memory=pin_memory,
+        worker_init_fn=_ignore_stop_signals,
+        # Without its own generator the loader draws its base seed from the global RNG when an
+        # iterator starts, which would shift every later dropout draw (and differ after a resume).
+        generator=torch.Generator().manual_seed(cfg.train.seed),
+    )

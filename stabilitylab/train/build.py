@@ -1,0 +1,138 @@
+"""What an arm trains with: the accelerator, the model, the optimizer and its schedule.
+
+Mixed precision: ``accelerate launch`` always passes one on (its ``--mixed_precision`` flag, the
+``--config_file`` YAML, or the ``accelerate config`` default file), as does
+ACCELERATE_MIXED_PRECISION set by hand; that value rules. ``train.precision`` applies only when
+none is set (a plain ``python`` run): auto = bf16 autocast on CUDA, fp32 on CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stabilitylab.config import Config, ConfigError
+from stabilitylab.model import Transformer
+from stabilitylab.telemetry import trackers_for
+
+SUPPORTED_PRECISION = ("no", "bf16")  # fp16 would need a loss scaler the step does not run
+
+
+def mixed_precision(cfg: Config, cuda: bool) -> tuple[str, str]:
+    """accelerate's mixed-precision mode for this run and where it came from."""
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if launched:
+        if launched not in SUPPORTED_PRECISION:
+            raise ConfigError(
+                f"config mixed precision: {launched!r} from accelerate (launch config or "
+                f"ACCELERATE_MIXED_PRECISION) is not supported; use one of {SUPPORTED_PRECISION}"
+            )
+        return launched, "accelerate launch / ACCELERATE_MIXED_PRECISION"
+    precision = cfg.train.precision
+    if precision == "auto":
+        precision = "bf16" if cuda else "fp32"
+    return ("bf16" if precision == "bf16" else "no"), "train.precision"
+
+
+def make_accelerator(cfg: Config, arm_dir: Path, purge_step: int | None):
+    """An Accelerator whose trackers write this arm's events into ``arm_dir``."""
+    from accelerate import Accelerator
+
+    cuda = torch.cuda.is_available()
+    return Accelerator(
+        cpu=not cuda,
+        mixed_precision=mixed_precision(cfg, cuda)[0],
+        step_scheduler_with_optimizer=False,
+        log_with=trackers_for(arm_dir, cfg.trackers, purge_step, cfg.telemetry.flush_secs),
+        project_dir=str(arm_dir),
+    )
+
+
+def accumulation_steps(cfg: Config, world: int) -> int:
+    per_step = cfg.train.micro_batch * world
+    if cfg.train.global_batch % per_step:
+        raise ConfigError(
+            f"config train.global_batch: {cfg.train.global_batch} is not a multiple of "
+            f"train.micro_batch ({cfg.train.micro_batch}) x processes ({world})"
+        )
+    return cfg.train.global_batch // per_step
+
+
+def build_model(cfg: Config, backend: str, vocab: int) -> Transformer:
+    torch.manual_seed(cfg.train.seed)
+    return Transformer(cfg.model, vocab, cfg.data.context_len, backend)
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    """Linear warmup to the peak lr over ``warmup_steps``, then constant (the paper's schedule)."""
+    peak = cfg.train.peak_lr
+    w = cfg.train.warmup_steps
+    return peak * min(1.0, (step + 1) / w) if w > 0 else peak
+
+
+def make_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    # Weight decay on matrices and embeddings only; biases and LayerNorm gains are not decayed.
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    t = cfg.train
+    # fused: one kernel per step, and it honours ``found_inf`` (the update is skipped on the
+    # device when a gradient is not finite; see stabilitylab.train.step).
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": t.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=lr_at(cfg, 0),
+        betas=(t.beta1, t.beta2),
+        eps=t.eps,
+        fused=True,
+    )
+
+
+@dataclass
+class Trainee:
+    """The prepared model and optimizer of one arm, and the handles the step needs."""
+
+    accelerator: object
+    model: torch.nn.Module
+    """As accelerate prepared it (DDP-wrapped on several processes)."""
+    raw: torch.nn.Module
+    """The plain model: monitors and probes attach here."""
+    optimizer: torch.optim.Optimizer
+    inner_optimizer: torch.optim.Optimizer
+    """The torch optimizer under accelerate's wrapper: ``found_inf`` is set on it."""
+    params: list[torch.nn.Parameter]
+    accum: int
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+
+def prepare(cfg: Config, accelerator, model: torch.nn.Module, accum: int) -> Trainee:
+    optimizer = make_optimizer(cfg, model)
+    if cfg.train.compile:
+        model.compile()  # in place: DDP wraps it as usual and the hooks see the same modules
+    model, optimizer = accelerator.prepare(model, optimizer)
+    raw = accelerator.unwrap_model(model)
+    return Trainee(
+        accelerator=accelerator,
+        model=model,
+        raw=raw,
+        optimizer=optimizer,
+        inner_optimizer=getattr(optimizer, "optimizer", optimizer),
+        params=list(raw.parameters()),
+        accum=accum,
+    )

@@ -1,0 +1,354 @@
+"""The training loop on HF accelerate: paired arms, one after the other, then the report.
+
+    result = run(cfg)            # every arm of cfg; {arm: summary}
+
+Each arm starts from the same initial weights (seeded construction, checked by hash) and sees the
+same data in the same order (``stabilitylab.data.loader``). Every step reads as
+
+    batch (DataLoader) -> step (``step.train_step``, one host read) -> telemetry (history,
+    trackers) -> policy (``policy.Policy``: non-finite steps, the divergence rule) -> checkpoint
+
+and SIGTERM / SIGINT stop the loop at the end of a step, after a checkpoint.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stabilitylab import runs
+from stabilitylab.config import Config, ConfigError
+from stabilitylab.data import build_source
+from stabilitylab.data.loader import step_loader
+from stabilitylab.kernels import autotune_choices
+from stabilitylab.model import count_parameters, vocab_size_for
+from stabilitylab.telemetry import (
+    StepTelemetry,
+    end_trackers,
+    first_nonfinite_module,
+    missing_trackers,
+    start_trackers,
+)
+from stabilitylab.train import build, checkpoint, resume
+from stabilitylab.train.policy import History, Policy
+from stabilitylab.train.step import read_numbers, train_step
+
+
+class Stopper:
+    """SIGTERM / SIGINT set a flag; the loop checkpoints at the end of the step and returns."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def check(cfg: Config, world: int, cuda: bool) -> None:
+    """Refuse, before any work, what the dataclass checks cannot see (installed packages, the
+    launcher's precision, the process count)."""
+    if cfg.fresh and cfg.resume == "force":
+        raise ConfigError("config fresh: --fresh=True starts over; it contradicts --resume=force")
+    if cfg.num_workers is not None and cfg.num_workers < 0:
+        raise ConfigError(f"config num_workers: must be >= 0 or None, got {cfg.num_workers}")
+    missing = missing_trackers(cfg.trackers)
+    if missing:
+        raise ConfigError(f"config trackers: {', '.join(missing)} not installed (pip install it)")
+    build.mixed_precision(cfg, cuda)
+    build.accumulation_steps(cfg, world)
+
+
+@dataclass
+class Arm:
+    """One arm in training: what the loop and its end need."""
+
+    cfg: Config
+    name: str
+    dir: Path
+    backend: str
+    config: dict
+    trainee: build.Trainee
+    tel: StepTelemetry
+    hist: History
+    start: int
+    init_hash: str
+    n_params: int
+    policy: Policy | None = None
+    wall_base: float = 0.0
+    """Training time of the segments before this one (from the checkpoint)."""
+    wall_start: float = 0.0
+    """time.time() when this segment's loop started."""
+
+    @property
+    def accelerator(self):
+        return self.trainee.accelerator
+
+    def say(self, msg: str) -> None:
+        self.accelerator.print(f"[{self.name}] {msg}")
+
+    def tick(self, hist: History) -> None:
+        """Training time so far, all segments summed, into ``hist``."""
+        hist.wall_time_s = self.wall_base + time.time() - self.wall_start
+
+    def save(self, name: str, step: int, hist: History, extra: dict | None = None) -> None:
+        self.tick(hist)
+        checkpoint.save(
+            self.dir / "checkpoints",
+            name,
+            self.accelerator,
+            self.trainee.model,
+            self.trainee.optimizer,
+            step=step,
+            history=hist.to_dict(),
+            config=self.config,
+            extra=extra,
+        )
+
+
+def _start(cfg: Config, arm: str, source, state) -> tuple[resume.Start, str, dict]:
+    """Plan the arm's start on the main process (it alone reads and hashes the checkpoint), share
+    the plan, and prepare the arm dir for it."""
+    from accelerate.utils import broadcast_object_list
+
+    cuda = torch.cuda.is_available()
+    backend = cfg.backend_for(arm, cuda)
+    precision = build.mixed_precision(cfg, cuda)[0]
+    config = runs.resolved_config(cfg, arm, backend, source.n_genes, precision)
+    d = runs.arm_dir(cfg, arm)
+    plan = [None]
+    if state.is_main_process:
+        try:
+            plan[0] = resume.plan(cfg, d, config)
+        except (resume.ResumeError, checkpoint.CheckpointError) as e:
+            plan[0] = e
+    plan = broadcast_object_list(plan)[0] if state.num_processes > 1 else plan[0]
+    if isinstance(plan, Exception):
+        raise plan
+    if state.is_main_process and plan.kind == "fresh":
+        runs.start_arm(d, config, source.gene_names)
+    elif state.is_main_process and plan.kind == "resume":
+        runs.record_resume(d, plan.step, plan.changes)
+    state.wait_for_everyone()
+    return plan, backend, config
+
+
+def _build_arm(cfg, arm, source, accelerator, plan, backend, config) -> Arm:
+    model = build.build_model(cfg, backend, vocab_size_for(source.n_genes))
+    init_hash, n_params = build.weights_hash(model), count_parameters(model)
+    accum = build.accumulation_steps(cfg, accelerator.num_processes)
+    trainee = build.prepare(cfg, accelerator, model, accum)
+    hist = History()
+    if plan.kind == "resume":
+        _, hist_dict = checkpoint.load(
+            plan.checkpoint, accelerator, trainee.model, trainee.optimizer, verified=True
+        )
+        hist = History(**hist_dict)
+    d = runs.arm_dir(cfg, arm)
+    tel = StepTelemetry(
+        cfg, trainee.raw, world=accelerator.num_processes, cuda=accelerator.device.type == "cuda"
+    )
+    a = Arm(cfg, arm, d, backend, config, trainee, tel, hist, plan.step, init_hash, n_params)
+    a.policy = Policy(cfg, hist, a.save, a.say)
+    a.say(
+        f"backend={backend} params={n_params / 1e6:.1f}M init_hash={init_hash} "
+        f"processes={accelerator.num_processes} accumulation={accum} "
+        f"micro_batch={cfg.train.micro_batch} mixed_precision={accelerator.mixed_precision}"
+    )
+    if plan.kind == "resume":
+        changed = f" with changed config: {resume.describe(plan.changes)}" if plan.changes else ""
+        a.say(f"resumed from {plan.checkpoint} at step {plan.step}{changed}")
+    return a
+
+
+class Progress:
+    """tqdm bar on the main process only."""
+
+    def __init__(self, a: Arm):
+        self.bar = None
+        if a.accelerator.is_main_process:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(
+                total=a.cfg.train.steps,
+                initial=a.start,
+                desc=a.name,
+                dynamic_ncols=True,
+                mininterval=2.0,
+            )
+
+    def update(self, step: int, numbers, step_time_s: float) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(1)
+        if step % 10 == 0:
+            tok_s = numbers.n_tokens / step_time_s
+            self.bar.set_postfix(
+                loss=f"{numbers.loss:.3f}", gn=f"{numbers.grad_norm:.2g}", tok_s=f"{tok_s:.3g}"
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _loop(a: Arm, loader, stopper: Stopper, progress: Progress) -> int:
+    """Train from ``a.start``; returns the number of steps done when the loop ends."""
+    cfg, t, device = a.cfg, a.trainee, a.accelerator.device
+    per_rank = cfg.train.global_batch // t.world
+    step = a.start
+    batches = iter(loader)
+    while step < cfg.train.steps:
+        t0 = time.perf_counter()
+        data = next(batches).to(device, non_blocking=True)
+        out = train_step(t, data, build.lr_at(cfg, step), cfg.train.clip_grad, a.tel)
+        numbers = read_numbers(out)
+        dt = time.perf_counter() - t0
+
+        a.hist.append(step, numbers.loss, numbers.grad_norm, numbers.max_LH)
+        scalars = a.tel.scalars(
+            step, numbers, data, dt, build.lr_at(cfg, step), t.raw, a.accelerator.is_main_process
+        )
+        if scalars:
+            a.accelerator.log(scalars, step=step)
+
+        stop = a.policy.after_step(
+            step,
+            numbers.loss,
+            numbers.grad_norm,
+            locate=lambda b=data.micro[0]: first_nonfinite_module(
+                t.raw, lambda: t.raw(b.tokens_BT, b.lengths_B)
+            ),
+            batch=[data.first_index, per_rank],
+        )
+        step += 1
+        if stop:
+            break
+        progress.update(step, numbers, dt)
+        if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
+            a.save(checkpoint.LAST, step, a.hist)
+        if stopper.requested:
+            break
+    return step
+
+
+def _train_arm(cfg: Config, arm: str, source):
+    """One arm to ``cfg.train.steps`` (or divergence / a stop signal): (summary, accelerator,
+    whether a signal stopped it)."""
+    from accelerate import PartialState
+
+    cuda = torch.cuda.is_available()
+    state = PartialState(cpu=not cuda)
+    plan, backend, config = _start(cfg, arm, source, state)
+    d = runs.arm_dir(cfg, arm)
+    accelerator = build.make_accelerator(cfg, d, plan.step if plan.kind == "resume" else None)
+    if plan.kind == "done":
+        s = plan.summary
+        accelerator.print(
+            f"[{arm}] finished: {s.get('status')} after {s.get('steps')} steps "
+            f"({d / 'summary.json'}); nothing to do (--fresh=True starts over)"
+        )
+        return plan.summary, accelerator, False
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()  # per arm (the previous arm's state is freed)
+    a = _build_arm(cfg, arm, source, accelerator, plan, backend, config)
+    start_trackers(accelerator, cfg.name, arm, d, config)
+    workers = cfg.num_workers if cfg.num_workers is not None else (2 if cuda else 0)
+    loader = step_loader(
+        source,
+        cfg,
+        rank=accelerator.process_index,
+        world=accelerator.num_processes,
+        start=a.start,
+        num_workers=workers,
+        pin_memory=cuda,
+    )
+    a.wall_base, a.wall_start = a.hist.wall_time_s, time.time()
+    progress = Progress(a)
+    with Stopper() as stopper:
+        step = _loop(a, loader, stopper, progress)
+    progress.close()
+    return _finish(a, step, stopper.requested), accelerator, stopper.requested
+
+
+def _finish(a: Arm, step: int, interrupted: bool) -> dict:
+    """Last checkpoint, trackers closed, summary written; the arm's memory released."""
+    cfg, accelerator = a.cfg, a.accelerator
+    a.tick(a.hist)
+    if a.policy.divergence is None or cfg.train.on_divergence == "continue":
+        a.save(checkpoint.LAST, step, a.hist)
+    end_trackers(accelerator)
+    status = a.policy.status
+    if interrupted and status == "stable":
+        status = "interrupted"
+    cuda = accelerator.device.type == "cuda"
+    summary = runs.arm_summary(
+        arm=a.name,
+        backend=a.backend,
+        status=status,
+        divergence=a.policy.divergence,
+        hist=a.hist,
+        steps=step,
+        interrupted=interrupted,
+        params=a.n_params,
+        init_hash=a.init_hash,
+        peak_lr=cfg.train.peak_lr,
+        log_logits=bool(cfg.telemetry.logit_every),
+        peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+    )
+    if accelerator.is_main_process:
+        runs.write_summary(a.dir, **summary)
+        runs.add_provenance(a.dir, autotune=autotune_choices())
+    accelerator.wait_for_everyone()
+    # Accelerate keeps every prepared model and optimizer; drop this arm's so that the next arm
+    # (same process) neither carries its memory nor counts it in its own peak.
+    accelerator.free_memory()
+    return summary
+
+
+def train_arm(cfg: Config, arm: str, source=None) -> dict:
+    """Train one arm of ``cfg``; returns its summary."""
+    source = source if source is not None else build_source(cfg.data, cfg.train.seed)
+    summary, accelerator, _ = _train_arm(cfg, arm, source)
+    return summary
+
+
+def run(cfg: Config) -> dict[str, dict]:
+    """Every arm of ``cfg`` in turn, then (main process) the analysis report over them."""
+    from accelerate import PartialState
+
+    cuda = torch.cuda.is_available()
+    check(cfg, PartialState(cpu=not cuda).num_processes, cuda)
+    source = build_source(cfg.data, cfg.train.seed)
+    summaries = {}
+    for arm in cfg.arms():
+        summaries[arm], accelerator, stopped = _train_arm(cfg, arm, source)
+        if stopped:
+            break
+    if accelerator.is_main_process:
+        runs.print_summaries(summaries)
+        logs = Path(cfg.out_dir) / cfg.name
+        print(f"tensorboard logs: {logs}  (tensorboard --logdir {logs})")
+        if cfg.report:
+            from stabilitylab.analysis.report import write_report
+
+            paths = write_report([runs.arm_dir(cfg, a) for a in summaries], logs / "report")
+            print(f"report: {paths.get('report.md', paths)}")
+    accelerator.end_training()  # the arms closed their trackers; this ends the process group
+    return summaries
