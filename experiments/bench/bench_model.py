@@ -1,8 +1,8 @@
 """Benchmark the lab's model at the stress setting on one GPU: step time, tokens/s, MFU, peak
 memory per arm, and the cost of the default telemetry.
 
-    PYTHONPATH=. python3 experiments/bench_model.py                   # 160M, T=8192, micro-batch 1
-    PYTHONPATH=. python3 experiments/bench_model.py --arms softmax sigmoid-triton --steps 10
+    python experiments/bench/bench_model.py                   # 160M, T=8192, micro-batch 1
+    python experiments/bench/bench_model.py --arms softmax sigmoid-triton --steps 10
 
 One optimizer step = forward + backward + AdamW on one micro-batch of full-length sequences
 (bf16 autocast). Telemetry overhead: the extra time of a step that records max |logit| and of one
