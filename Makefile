@@ -31,10 +31,10 @@ data: $(STAMP)
 
 # GPU only (a CUDA torch in the active environment): the model step and kernel benchmarks.
 bench:
-	$(PYTHON) experiments/bench_model.py
+	$(PYTHON) experiments/bench/bench_model.py
 
 bench-kernels:
-	$(PYTHON) kernels/bench_attention.py
+	$(PYTHON) experiments/bench/bench_attention.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

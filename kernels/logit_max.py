@@ -3,7 +3,8 @@
 For the softmax arm, whose fused kernel (SDPA) cannot report its logits: Q K^T tiles only, no V,
 no n x n tensor. Same layout and padding rules as ``sigmoid_attention`` (padded rows are loaded as
 zeros, so they contribute |0| and never win the max); each program writes its tile's maximum and a
-tiny ``amax`` finishes, so no atomics. Reference: ``kernels/reference.py::max_abs_logit_reference``.
+tiny ``amax`` finishes, so no atomics. A NaN score makes its head's maximum NaN, as in the
+reference ``kernels/reference.py::max_abs_logit_reference``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import triton.language as tl
 
 from stabilitylab.kernels.reference import max_abs_logit_reference  # noqa: F401  (the maths)
 from stabilitylab.kernels.triton_support import (
+    bits_as_max,
     capability,
     cdiv,
     check_attention_inputs,
@@ -25,6 +27,7 @@ from stabilitylab.kernels.triton_support import (
     interpreted,
     interpreting,
     last_dim_contiguous,
+    max_abs_bits,
     seq_bucket,
     specialization,
 )
@@ -53,14 +56,14 @@ def _max_abs_logit_kernel(
         mask=offs_m[:, None] < L, other=0.0,
     )  # fmt: skip
     k_base = K + b64 * skb + h * skh + offs_d[None, :]
-    mx = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    mx_bits = tl.zeros((BLOCK_M,), dtype=tl.int32)
     hi = tl.where(start_m < L, L, 0)
     for start_n in range(0, hi, BLOCK_N):
         rows_n = start_n + offs_n
         k = tl.load(k_base + rows_n[:, None] * skt, mask=rows_n[:, None] < L, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        mx = tl.maximum(mx, tl.max(tl.abs(qk), axis=1))
-    tl.store(MX + pid_bh.to(tl.int64) * mx_stride + pid_m, tl.max(mx, axis=0) * scale)
+        mx_bits = max_abs_bits(mx_bits, qk)
+    tl.store(MX + pid_bh.to(tl.int64) * mx_stride + pid_m, bits_as_max(mx_bits) * scale)
 
 
 INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}

@@ -76,8 +76,7 @@ def specialization(*values) -> tuple:
     16-byte aligned; per integer, whether it is 1 or divisible by 16 (its JIT specialises on
     both). A config chosen under one specialisation may not run under another: on the H200 a
     forward config tuned on aligned inputs asked for 262,144 bytes of shared memory (232,448
-    allowed) on inputs with a row stride of 129 (session 10), so each specialisation is
-    autotuned on its own."""
+    allowed) on inputs with a row stride of 129, so each specialisation is autotuned on its own."""
     spec = []
     for x in values:  # on every launch: type tests first (~5 us for 24 values on the CI CPU)
         kind = type(x)
@@ -100,10 +99,26 @@ def persistent_programs(device: torch.device) -> int:
 def persistent_grid(n_tiles: int, device: torch.device) -> int:
     """Programs for ``n_tiles`` equal tiles: the fewest that take them in as few rounds as
     ``persistent_programs`` would. 2,048 tiles on 132 SMs need 16 rounds, and 128 programs do
-    them in 16 full rounds; the 4 idle SMs leave the others more of the 700 W power cap (H200,
-    session 11: +1.9% to +3.1% forward TFLOPS at hd 128, T = 2K-16K, docs/BENCHMARKS.md)."""
+    them in 16 full rounds; the idle SMs leave the others more of the board's power cap, which
+    sets the clock of these kernels on an H200 (docs/BENCHMARKS.md)."""
     rounds = cdiv(n_tiles, persistent_programs(device))
     return cdiv(n_tiles, rounds)
+
+
+@triton.jit
+def max_abs_bits(mx_bits, s):
+    """Running row max of |s| for a (BLOCK_M, BLOCK_N) float32 tile ``s``, held as int32 bits
+    (``mx_bits`` starts from ``tl.zeros((BLOCK_M,), tl.int32)``). The bits of a non-negative float
+    order as int32 as the floats do, and a NaN's lie above +inf's, so the integer max keeps a NaN
+    where Triton's float max (``tl.max``, ``tl.maximum``) drops it: a max|logit| telemetry must
+    report the NaN it exists to catch."""
+    return tl.maximum(mx_bits, tl.max(s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+
+
+@triton.jit
+def bits_as_max(mx_bits):
+    """The float32 maximum of ``max_abs_bits``' rows (NaN if any row saw one)."""
+    return tl.max(mx_bits, axis=0).to(tl.float32, bitcast=True)
 
 
 @functools.cache  # on every launch; torch's lookup costs ~10 us of host time

@@ -5,6 +5,8 @@ compiler when a kernel is defined, so the switch must be set before triton is im
 before collection. On a GPU host it stays off (the compiled kernels are under test), and the
 tests that need the interpreter (marked ``interpreter``, and the ``cpu`` cases of the kernel
 tests) are skipped with the command that runs them: ``TRITON_INTERPRET=1 pytest -m "not gpu"``.
+Tests marked ``exhaustive`` (long sweeps) are skipped unless ``--exhaustive`` is given or
+``STABILITYLAB_EXHAUSTIVE=1`` is set, so that ``pytest -m gpu`` stays short.
 """
 
 import os
@@ -25,7 +27,21 @@ def needs_interpreter(item) -> bool:
     )
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--exhaustive",
+        action="store_true",
+        help="also run the tests marked exhaustive (or set STABILITYLAB_EXHAUSTIVE=1)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
+    exhaustive = (
+        config.getoption("--exhaustive") or os.environ.get("STABILITYLAB_EXHAUSTIVE") == "1"
+    )
+    not_exhaustive = pytest.mark.skip(
+        reason="exhaustive sweep: run with --exhaustive or STABILITYLAB_EXHAUSTIVE=1"
+    )
     cuda, interpreter = torch.cuda.is_available(), interpreter_available()
     no_cuda = pytest.mark.skip(reason="needs CUDA")
     no_interpreter = pytest.mark.skip(
@@ -33,7 +49,9 @@ def pytest_collection_modifyitems(config, items):
         'imported: run TRITON_INTERPRET=1 pytest -m "not gpu"'
     )
     for item in items:
-        if "gpu" in item.keywords and not cuda:
+        if "exhaustive" in item.keywords and not exhaustive:
+            item.add_marker(not_exhaustive)
+        elif "gpu" in item.keywords and not cuda:
             item.add_marker(no_cuda)
         elif not interpreter and needs_interpreter(item):
             item.add_marker(no_interpreter)

@@ -1,11 +1,23 @@
-"""The benchmark's tables and bars, from synthetic rows (no GPU)."""
+"""The benchmark's tables and bars, from synthetic rows (no GPU); the benchmark scripts' CPU-side
+parts (argument checks, and the config sweep's launches in Triton's interpreter)."""
 
+import importlib
 import math
+import pathlib
 
 import pandas as pd
 import pytest
+import torch
 
-from stabilitylab.kernels.bench_report import bars, bars_markdown, model_step_bar, summary
+from stabilitylab.analysis.bench_report import bars, bars_markdown, model_step_bar, summary
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "bench"
+
+
+def _script(name: str, monkeypatch):
+    """A script of experiments/bench as a module (its folder on sys.path, as when it runs)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module(name)
 
 
 def rows(provider, D, T, pad, fwd, bwd):
@@ -110,10 +122,37 @@ def test_a_round_where_the_op_failed_fails_the_bar():
     assert (bwd["rounds"], bwd["rounds_passing"], bwd["status"]) == (2, 2, "met")
 
 
-def test_bench_attention_rejects_zero_rounds(capsys):
-    from stabilitylab.kernels import bench_attention
-
+def test_bench_attention_rejects_zero_rounds(capsys, monkeypatch):
+    bench_attention = _script("bench_attention", monkeypatch)
     with pytest.raises(SystemExit) as exit_info:
         bench_attention.main(["--rounds", "0"])
     assert exit_info.value.code == 2  # argparse's error, before the check for a GPU
     assert "--rounds must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.interpreter
+def test_sweep_configs_launches_each_kernel_as_the_op_does(monkeypatch):
+    """The sweep launches the op's kernels directly, with the op's private argument builders: at
+    the interpreter's tiles its forward, dQ and dK/dV equal the op's launchers bit for bit, on
+    both load paths, so a change of a kernel's signature cannot leave the sweep behind."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    sweep = _script("sweep_configs", monkeypatch)
+    sa = importlib.import_module("stabilitylab.kernels.sigmoid_attention")  # the module
+    gen = torch.Generator().manual_seed(0)
+    B, H, T, D = 2, 2, 40, 64
+    q, k, v, do = (torch.randn(B, H, T, D, generator=gen).half() for _ in range(4))
+    lengths = torch.tensor([40, 23])
+    args = (lengths, 1 / math.sqrt(D), 0.0, True, sa.TANH_F32)
+    tile = (sa.INTERPRETER_BLOCKS["BLOCK_M"], sa.INTERPRETER_BLOCKS["BLOCK_N"], 4, 2)
+    for tma in (False, True):
+        (out, _), grads = (
+            sa._forward(q, k, v, *args, False, tma),
+            sa._backward(do, q, k, v, *args, tma),
+        )
+        for kind, want in (("fwd", (out,)), ("dq", grads[:1]), ("dkdv", grads[1:])):
+            launch, got = sweep.runner(kind, D, tma, tile, (q, k, v, do, lengths))
+            launch()
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a, b), (kind, tma)
+    with pytest.raises(SystemExit, match="BMxBNxWxS"):
+        sweep.parse_configs(["dq=128x64x8"])

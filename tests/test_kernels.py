@@ -8,12 +8,14 @@ only on CUDA: the interpreter's bf16 tl.dot is wrong (shared/notes/triton-interp
 
 Padded positions of every kernel input (and of the incoming gradient) are filled with NaN: the
 kernels must never read them. Inputs are drawn fresh per test; the seed is printed for replay.
+Long sweeps (every launch config; the load paths at every dtype) are marked ``exhaustive`` and run
+only with ``--exhaustive`` (tests/conftest.py), so that ``pytest -m gpu`` stays short.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
-import os
 import random
 
 import pytest
@@ -26,16 +28,18 @@ from stabilitylab.kernels.reference import (
     sigmoid_attention_reference,
 )
 
+sa = importlib.import_module("stabilitylab.kernels.sigmoid_attention")  # the module, not the op
+
 CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
 ATOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
-DTYPES = [torch.float16, torch.float32, pytest.param(torch.bfloat16, marks=gpu)]
 # (T, lengths) per device: tiny in the interpreter, several production tiles on the GPU.
 # "whole_tiles": lengths that end on a tile boundary short of T, so the last key tile is full and
 # the look-ahead tile past it lies wholly in the NaN padding. "full": no padding, T not a multiple
-# of the tile: the op takes the dense kernels there (16-bit), which read past T as zeros.
+# of the tile: the op takes the dense kernels there (16-bit, head dim 128), which read past T as
+# zeros.
 SHAPES = {
     "cpu": {
         "odd": (37, [37, 19]),
@@ -54,6 +58,25 @@ SHAPES = {
 }
 
 
+def _cases() -> list:
+    """(device, dtype, loads) for the reference test. ``loads``: pointer loads (the op below
+    T = 4096, as at these T) or TMA loads (the op from T = 4096; forced here by lowering
+    ``TMA_MIN_T``). Each device's main 16-bit dtype (bf16; fp16 in the interpreter) runs both
+    load paths, the other dtypes pointer loads; their TMA runs are exhaustive."""
+    cases = []
+    for device, main in (("cpu", torch.float16), ("cuda", torch.bfloat16)):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            if device == "cpu" and dtype == torch.bfloat16:
+                continue  # the interpreter's bf16 tl.dot is wrong
+            for loads in ("ptr", "tma"):
+                marks = list(gpu) if device == "cuda" else []
+                if loads == "tma" and dtype != main:
+                    marks.append(pytest.mark.exhaustive)
+                name = f"{device}-{str(dtype).removeprefix('torch.')}-{loads}"
+                cases.append(pytest.param(device, dtype, loads, marks=marks, id=name))
+    return cases
+
+
 @pytest.fixture(params=DEVICES)
 def device(request, monkeypatch):
     if request.param == "cpu":
@@ -61,6 +84,12 @@ def device(request, monkeypatch):
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     return request.param
+
+
+def _use_loads(loads: str, monkeypatch) -> None:
+    """``tma``: the op takes TMA loads at any T where the strides allow (``use_tma``)."""
+    if loads == "tma":
+        monkeypatch.setattr(sa, "TMA_MIN_T", 1)
 
 
 def _generator(device: str) -> torch.Generator:
@@ -91,19 +120,20 @@ def _ref_grads(q, k, v, lengths, g, **kw):
 
 
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_matches_reference(device, dtype, D):
-    """All length cases in one test, so parallel GPU workers do not compile the same kernels."""
-    if device == "cpu" and dtype == torch.bfloat16:
-        pytest.skip("bf16 tl.dot is wrong in the CPU interpreter")
+@pytest.mark.parametrize("device, dtype, loads", _cases(), indirect=["device"])
+def test_matches_reference(device, dtype, loads, D, monkeypatch):
+    """Output, gradients and fused max|logit| for every length case (padded, length 1, all but
+    one padded, whole tiles, unpadded: the dense kernels), in one test so that parallel GPU
+    workers do not compile the same kernels."""
+    _use_loads(loads, monkeypatch)
     gen = _generator(device)
-    # The exact-sigmoid path is compiled separately on CUDA; one 16-bit dtype covers it.
-    modes = [False, True] if device == "cuda" and dtype == torch.bfloat16 else [False]
+    # The exact-sigmoid path is compiled separately on CUDA; one 16-bit dtype covers it (in the
+    # interpreter every run is exact).
+    exact_too = device == "cuda" and dtype == torch.bfloat16 and loads == "ptr"
     for case, (T, lengths) in SHAPES[device].items():
-        for exact in modes:
-            _check_against_reference(
-                device, dtype, D, T, lengths, exact, gen, f"{case} exact={exact}"
-            )
+        for exact in [False, True] if exact_too else [False]:
+            where = f"{case} exact={exact}"
+            _check_against_reference(device, dtype, D, T, lengths, exact, gen, where)
 
 
 def _check_against_reference(device, dtype, D, T, lengths, exact, gen, where):
@@ -132,6 +162,48 @@ def _check_against_reference(device, dtype, D, T, lengths, exact, gen, where):
     max_ref = max_abs_logit_reference(q.double(), k.double(), lengths_B)
     assert max_BH.dtype == torch.float32 and not max_BH.requires_grad, where
     torch.testing.assert_close(max_BH.double(), max_ref.double(), rtol=1e-4, atol=1e-5, msg=where)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("D", [64, 128])
+def test_every_launch_config_matches_reference(device, D, monkeypatch):
+    """Autotuning runs every production config but checks only the winner's output: here each
+    config is forced in turn, through both load paths and the dense kernels. On the GPU the i-th
+    config of every kernel's list (``_configs``); in the interpreter, which ignores warps and
+    stages, every tile shape of the Hopper lists."""
+    gen = _generator(device)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    kinds = ("fwd", "dq", "dkdv")
+    if device == "cuda":
+        configs, cap = sa._configs, sa.capability(torch.device("cuda"))
+        n = max(len(configs(kind, cap)) for kind in kinds)
+
+        def force(i):
+            def one(kind, cap, fp32=False, dense=False):
+                listed = configs(kind, cap, fp32, dense)
+                return (listed[min(i, len(listed) - 1)],)
+
+            monkeypatch.setattr(sa, "_configs", one)
+            monkeypatch.setattr(sa, "_TUNED", {})  # a fresh autotuner per forced config
+
+        steps = [lambda i=i: force(i) for i in range(n)]
+    else:
+        tiles = sorted({(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"])
+                        for kind in kinds for c in sa._configs(kind, (9, 0))})  # fmt: skip
+        steps = [
+            lambda m=m, n=n: monkeypatch.setattr(
+                sa, "INTERPRETER_BLOCKS", {"BLOCK_M": m, "BLOCK_N": n}
+            )
+            for m, n in tiles
+        ]
+    production_min_t = sa.TMA_MIN_T
+    for i, step in enumerate(steps):
+        step()
+        for loads in ("ptr", "tma"):
+            monkeypatch.setattr(sa, "TMA_MIN_T", 1 if loads == "tma" else production_min_t)
+            for case, (T, lengths) in SHAPES[device].items():
+                where = f"config {i}, {loads}, {case}"
+                _check_against_reference(device, dtype, D, T, lengths, False, gen, where)
 
 
 def test_bias_scale_and_no_max(device):
@@ -204,6 +276,34 @@ def test_max_abs_logit_matches_reference(device, D):
         assert torch.equal(fused, got)
     else:  # each kernel autotuned with its own tiles
         torch.testing.assert_close(fused, got, rtol=1e-5, atol=1e-6)
+
+
+def test_max_logit_is_nan_where_a_score_is_nan(device):
+    """The max|logit| exists to catch a blow-up, so it must not hide one: one NaN in q makes its
+    head's maximum NaN (a float max skips it), a head whose valid q rows are all NaN reports NaN
+    (not 0), the other heads keep the reference's values, and the NaN padding is still never
+    read. The fused max of the general (padded) and dense (unpadded) forwards, and the standalone
+    reduction."""
+    gen = _generator(device)
+    for case in ("odd", "full"):
+        T, lengths = SHAPES[device][case]
+        (q, k, _), (qn, kn, vn), lengths_B = _inputs(
+            2, 3, T, 128, lengths, torch.float16, device, gen
+        )
+        for t in (q, qn):  # views into the inputs' (B, T, 3, H, D) storage
+            t[0, 0, lengths[0] // 2, 5] = float("nan")
+            t[1, 2, : lengths[1]] = float("nan")
+        assert sa.use_dense(lengths_B, qn, kn, vn) is (case == "full")
+        want = max_abs_logit_reference(q.double(), k.double(), lengths_B)
+        assert want[0, 0].isnan() and want[1, 2].isnan() and want.isnan().sum() == 2
+        _, fused = sigmoid_attention(qn, kn, vn, lengths_B, return_max_logit=True)
+        alone = max_abs_logit(qn, kn, lengths_B)
+        for name, got in (("fused", fused), ("standalone", alone)):
+            where = f"{name}, {case}"
+            assert torch.equal(got.isnan(), want.isnan()), f"{where}: {got}"
+            torch.testing.assert_close(
+                got.double(), want.double(), rtol=1e-4, atol=1e-5, equal_nan=True, msg=where
+            )
 
 
 def _bad_inputs(device):
@@ -350,113 +450,6 @@ def test_eager_calls_read_the_lengths_once_even_in_inference_mode(monkeypatch):
         assert len(reads) == 2
 
 
-def _lever_cases(device, dtype):
-    """Inputs for the lever tests: both head dims x every length case, with the sigmoid mode the
-    op would pick (the interpreter runs the exact mode whatever it is asked)."""
-    from stabilitylab.kernels.sigmoid_attention import TANH_F32, default_fast_mode
-
-    if device == "cpu" and dtype == torch.bfloat16:
-        pytest.skip("bf16 tl.dot is wrong in the CPU interpreter")
-    gen = _generator(device)
-    mode = default_fast_mode(dtype) if device == "cuda" else TANH_F32
-    for D in (64, 128):
-        for T, lengths in SHAPES[device].values():
-            clean, dirty, lengths_B = _inputs(len(lengths), 2, T, D, lengths, dtype, device, gen)
-            yield D, T, lengths, clean, dirty, lengths_B, mode, gen
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
-@pytest.mark.parametrize("lookahead", [False, True], ids=["plain", "lookahead"])
-@pytest.mark.parametrize("a_regs", [False, True], ids=["smem", "aregs"])
-@pytest.mark.parametrize("q_tiles", [1, 2, 4], ids=["q1", "q2", "q4"])
-def test_forward_levers_match_reference(device, dtype, tma, lookahead, a_regs, q_tiles):
-    """Each forward lever alone and together (the op takes lookahead, plus TMA from T = 4096 where
-    aligned, plus q in registers and four query tiles per program at head dim 128), with the fused
-    max|logit|: same criterion, odd lengths, length 1 and all-but-one padding, gapped views with
-    NaN padding. In the interpreter (16-row tiles, T <= 37: three tiles) two tiles per program
-    leave a last program with one tile past T, and a program whose tiles are all padding."""
-    from stabilitylab.kernels.sigmoid_attention import launch_forward
-
-    if a_regs and device == "cpu":
-        pytest.skip("A_REGS is an inline PTX move: the interpreter runs without it")
-    if device == "cpu" and q_tiles == 4:
-        pytest.skip("in the interpreter q2 covers the grouped path (q4 is one program per (b, h))")
-    for D, T, lengths, (q, k, v), (qn, kn, vn), lengths_B, mode, _ in _lever_cases(device, dtype):
-        args = (lengths_B, 1 / math.sqrt(D), 0.0, True, mode, True)
-        levers = dict(tma=tma, lookahead=lookahead, a_regs=a_regs, q_tiles=q_tiles)
-        out, max_BH = launch_forward(qn, kn, vn, *args, **levers)
-        ref64 = sigmoid_attention_reference(q.double(), k.double(), v.double(), lengths_B)
-        ref_t = sigmoid_attention_reference(q, k, v, lengths_B)
-        where = (D, T, lengths)
-        assert _err(out, ref64) <= 2 * _err(ref_t, ref64) + ATOL[dtype], where
-        max_ref = max_abs_logit_reference(q.double(), k.double(), lengths_B)
-        torch.testing.assert_close(
-            max_BH.double(), max_ref.double(), rtol=1e-4, atol=1e-5, msg=str(where)
-        )
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
-@pytest.mark.parametrize("lookahead", [False, True], ids=["plain", "lookahead"])
-@pytest.mark.parametrize("a_regs", [False, True], ids=["smem", "aregs"])
-def test_backward_levers_match_reference(device, dtype, tma, lookahead, a_regs):
-    """Each backward lever set (the dQ and dK/dV kernels with pointer or TMA loads, with or
-    without next-tile scores): gradients within 3x torch's error at the dtype, NaN padding never
-    read, padded rows zero; odd lengths, length 1 and all-but-one padding, both head dims."""
-    from stabilitylab.kernels.sigmoid_attention import launch_backward
-
-    if a_regs and device == "cpu":
-        pytest.skip("A_REGS is an inline PTX move: the interpreter runs without it")
-    for D, T, lengths, (q, k, v), (qn, kn, vn), lengths_B, mode, gen in _lever_cases(device, dtype):
-        valid = key_mask_BT(lengths_B, T)[:, None, :, None]
-        g = torch.randn(q.shape, generator=gen, device=device).to(dtype) * valid
-        g_nan = g.masked_fill(~valid, float("nan"))
-        args = (lengths_B, 1 / math.sqrt(D), 0.0, True, mode)
-        grads = launch_backward(
-            g_nan, qn, kn, vn, *args, tma_dq=tma, tma_dkdv=tma, lookahead=lookahead, a_regs=a_regs
-        )
-        _, grads64 = _ref_grads(q.double(), k.double(), v.double(), lengths_B, g)
-        _, grads_t = _ref_grads(q, k, v, lengths_B, g)
-        for name, a, t_, r in zip("qkv", grads, grads_t, grads64, strict=True):
-            where = (f"d{name}", D, T, lengths)
-            assert torch.isfinite(a).all(), where
-            assert _err(a, r) <= 3 * _err(t_, r) + ATOL[dtype], where
-            for b, L in enumerate(lengths):
-                assert (a[b, :, L:] == 0).all(), where
-
-
-def test_a_regs_choice_follows_the_measurements():
-    """The op holds q in registers only where the H200 measured a gain (TMA loads, head dim 128,
-    16-bit), and never under the interpreter, which cannot run the PTX move."""
-    from stabilitylab.kernels.sigmoid_attention import _common_args, use_a_regs
-
-    def q(D, dtype):
-        return torch.empty(1, 1, 8, D, dtype=dtype)
-
-    assert use_a_regs(q(128, torch.bfloat16), tma=True)
-    assert use_a_regs(q(128, torch.float16), tma=True)
-    assert not use_a_regs(q(128, torch.bfloat16), tma=False)
-    assert not use_a_regs(q(64, torch.bfloat16), tma=True)
-    assert not use_a_regs(q(128, torch.float32), tma=True)
-    args = _common_args(128, torch.bfloat16, True, 1, True)
-    assert args["A_REGS"] is (os.environ.get("TRITON_INTERPRET") != "1")
-
-
-def test_q_tiles_is_checked_and_the_op_takes_one():
-    """The op runs one query tile per forward program (four were not measurably faster in it,
-    docs/BENCHMARKS.md session 8); a bad count is refused before any launch."""
-    from stabilitylab.kernels.sigmoid_attention import FWD_Q_TILES, launch_forward
-
-    assert FWD_Q_TILES == 1
-    x = torch.zeros(1, 1, 8, 64)
-    lengths = torch.tensor([8])
-    for bad in (0, 17, 2.0):
-        with pytest.raises(ValueError, match="q_tiles"):
-            launch_forward(x, x, x, lengths, 0.125, 0.0, True, 0, False, tma=False,
-                           lookahead=True, q_tiles=bad)  # fmt: skip
-
-
 def test_custom_op_path_equals_the_eager_function(device):
     """torch.compile goes through the custom ops, eager through an autograd.Function: both must
     launch the same kernels, so outputs, max|logit| and gradients agree bit for bit."""
@@ -478,17 +471,12 @@ def test_custom_op_path_equals_the_eager_function(device):
 
 @pytest.mark.interpreter
 def test_tma_refuses_unaligned_strides_and_the_op_falls_back(monkeypatch):
-    import importlib
-
-    sa = importlib.import_module("stabilitylab.kernels.sigmoid_attention")  # the module
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     x = torch.randn(1, 2, 33, 65)[..., :64]  # row stride 65 floats = 260 bytes
     xc = x.contiguous()
     lengths = torch.tensor([33])
     assert not sa.tma_ok(x, x, x) and sa.tma_ok(xc, xc, xc)
     assert not sa.use_tma(xc, xc, xc), "T = 33 is below TMA_MIN_T: pointer loads"
-    with pytest.raises(ValueError, match="16-byte"):
-        sa.launch_forward(x, x, x, lengths, 0.125, 0.0, True, 0, False, tma=True, lookahead=True)
     monkeypatch.setattr(sa, "TMA_MIN_T", 1)  # the op would now take TMA wherever it can
     assert sa.use_tma(xc, xc, xc) and not sa.use_tma(x, x, x)
     out, _ = sigmoid_attention(x, x, x, lengths)  # unaligned: the op takes pointer loads
@@ -515,13 +503,9 @@ def test_autotune_choices_name_kernel_key_and_config():
 
 def test_each_specialisation_is_autotuned_on_its_own(monkeypatch):
     """A config tuned on aligned inputs is never launched on unaligned ones: on the H200 such a
-    forward config ran out of shared memory (session 10). The op keeps one autotuner per Triton
+    forward config ran out of shared memory (row stride 129). The op keeps one autotuner per Triton
     specialisation of the launch arguments."""
-    import importlib
-
     from stabilitylab.kernels.triton_support import specialization
-
-    sa = importlib.import_module("stabilitylab.kernels.sigmoid_attention")  # the module
 
     x = torch.zeros(64, dtype=torch.float16)
     assert specialization(x, x[1:], 1, 32, 129, True, 0.5) == (True, False, 1, 16, 0)
@@ -540,7 +524,7 @@ def test_each_specialisation_is_autotuned_on_its_own(monkeypatch):
     monkeypatch.setattr(sa, "_TUNED", {})
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q = torch.zeros(1, 1, 64, 64, dtype=torch.float16)
-    levers = dict(HEAD_DIM=64, TMA=False, LOOKAHEAD=True, SIGMOID=1, A_REGS=False, Q_TILES=1)
+    levers = dict(HEAD_DIM=64, TMA=False, SIGMOID=1, A_REGS=False)
     for stride in (64, 64, 129):  # a row stride of 129 values: another specialisation
         sa._launch(sa._sigmoid_fwd_kernel, "fwd", q, (1,), (q, stride, 64), levers)
     assert [len(t.keys) for t in made] == [2, 1]
@@ -596,9 +580,6 @@ def test_tuned_autotunes_once_per_key_then_launches_straight():
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_straight_launch_equals_the_autotuned_one(monkeypatch):
     """First call (through the autotuner) and second call (straight, same key): same bits."""
-    import importlib
-
-    sa = importlib.import_module("stabilitylab.kernels.sigmoid_attention")  # the module
     monkeypatch.setattr(sa, "_TUNED", {})  # a fresh launcher: the first call autotunes
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     gen = _generator("cuda")
@@ -641,35 +622,11 @@ def test_host_integer_helpers_match_triton():
         assert seq_bucket(n) == triton.next_power_of_2(max(n, 16)), n
 
 
-def test_sweep_lever_digits_round_trip_and_refuse_bad_sets():
-    """The sweep's lever sets: three switches then the forward's query tiles per program."""
-    from stabilitylab.kernels.sweep_configs import FWD_LEVERS, LEVERS, lever_digits, parse_levers
-
-    assert parse_levers(["1114", "10", "1"]) == [
-        (True, True, True, 4), (True, False, False, 1), (True, False, False, 1)
-    ]  # fmt: skip
-    for lev in (*LEVERS, *FWD_LEVERS):
-        assert parse_levers([lever_digits(lev)]) == [lev]
-    assert parse_levers(["0001"], "bwd") == [(False, False, False, 1)]
-    for bad, kind in (
-        ("2", "fwd"),
-        ("11140", "fwd"),
-        ("1110", "fwd"),
-        ("1x", "fwd"),
-        ("1112", "bwd"),
-    ):
-        with pytest.raises(SystemExit, match="lever set"):
-            parse_levers([bad], kind)
-
-
 def test_unpadded_batches_take_the_dense_kernels_with_the_same_results(device, monkeypatch):
     """An unpadded 16-bit batch at head dim 128 goes to the dense kernels (descriptors built on
     the host); head dim 64, a padded, a float32 or an unaligned batch to the general kernels. On
     the same unpadded inputs both give the same outputs, max|logit| and gradients (bit for bit in
     the interpreter, whose tiles are equal; on the GPU each is autotuned alone: within rounding)."""
-    import importlib
-
-    sa = importlib.import_module("stabilitylab.kernels.sigmoid_attention")  # the module
     launched, launch = [], sa._launch
 
     def spy(kernel, *args, **kwargs):
@@ -682,45 +639,36 @@ def test_unpadded_batches_take_the_dense_kernels_with_the_same_results(device, m
     if device == "cpu":  # tiles of unequal sides, so that a descriptor given the other block fails
         monkeypatch.setattr(sa, "INTERPRETER_BLOCKS", {"BLOCK_M": 32, "BLOCK_N": 16})
     T, lengths = SHAPES[device]["full"]
-    assert sa.DENSE_HEAD_DIMS == (128,)
+    production_dims = sa.DENSE_HEAD_DIMS
     # On the GPU also a T below one tile (the autotuned tiles are 64-128 rows).
     cases = [(64, T), (128, T), *([(128, 40)] if device == "cuda" else [])]
     for D, T in cases:
         lengths = [T, T]
         _, (q, k, v), lengths_B = _inputs(2, 2, T, D, lengths, dtype, device, gen)
         g = torch.randn(q.shape, generator=gen, device=device).to(dtype)
-        args = (
-            lengths_B,
-            1 / math.sqrt(D),
-            0.0,
-            True,
-            1,
-        )  # the fast mode (exact in the interpreter)
-        assert sa.use_dense(lengths_B, q, k, v, g) is (D == 128)
+        args = (lengths_B, 1 / math.sqrt(D), 0.0, True, sa.TANH_F32)  # exact in the interpreter
+        assert sa.use_dense(lengths_B, q, k, v, g) is (D in sa.DENSE_HEAD_DIMS)
         monkeypatch.setattr(sa, "DENSE_HEAD_DIMS", (D,))  # run the dense kernels at both
         launched.clear()
         out, max_BH = sa.forward_auto(q, k, v, *args, True)
         grads = sa.backward_auto(g, q, k, v, *args)
-        monkeypatch.setattr(sa, "DENSE_HEAD_DIMS", (128,))
+        monkeypatch.setattr(sa, "DENSE_HEAD_DIMS", production_dims)
         assert launched == [
             "_sigmoid_fwd_dense_kernel", "_sigmoid_bwd_dq_dense_kernel",
             "_sigmoid_bwd_dkdv_dense_kernel",
         ], launched  # fmt: skip
-        a_regs = sa.use_a_regs(q, True)
-        out_g, max_g = sa.launch_forward(
-            q, k, v, *args, True, tma=True, lookahead=True, a_regs=a_regs
-        )
-        grads_g = sa.launch_backward(g, q, k, v, *args, tma_dq=True, tma_dkdv=True, lookahead=False)
+        out_g, max_g = sa._forward(q, k, v, *args, True, True)  # the general kernels on TMA
+        grads_g = sa._backward(g, q, k, v, *args, True)
         for a, b in zip((out, max_BH, *grads), (out_g, max_g, *grads_g), strict=True):
             if device == "cpu":
                 assert torch.equal(a, b), D
             else:
                 torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
-        # The exact sigmoid's forward keeps the general kernel (persistent, it was 7% slower).
+        # The exact sigmoid's forward keeps the general kernel (``forward_auto``).
         launched.clear()
         monkeypatch.setattr(sa, "DENSE_HEAD_DIMS", (D,))
         sa.forward_auto(q, k, v, *args[:-1], sa.EXACT, False)
-        monkeypatch.setattr(sa, "DENSE_HEAD_DIMS", (128,))
+        monkeypatch.setattr(sa, "DENSE_HEAD_DIMS", production_dims)
         assert launched == ["_sigmoid_fwd_kernel"], launched
 
     # Not dense: one sequence padded; float32; a row stride of 129 values (not 16-byte aligned);

@@ -1,28 +1,24 @@
-"""Attention benchmark on one GPU: Triton sigmoid attention vs SDPA cuDNN / flash, FlexAttention, eager.
+"""Attention benchmark on one GPU: the Triton sigmoid op vs SDPA cuDNN / flash, FlexAttention, eager.
 
-    PYTHONPATH=. python3 kernels/bench_attention.py --quick --out results/bench   # a few minutes on an H200
-    PYTHONPATH=. python3 kernels/bench_attention.py --out results/bench           # full grid
-    PYTHONPATH=. python3 kernels/bench_attention.py --model-step --out results/bench
+    python experiments/bench/bench_attention.py --quick --out runs/bench   # T 4K/16K, 0/25% padding
+    python experiments/bench/bench_attention.py --out runs/bench           # the full grid
+    python experiments/bench/bench_attention.py --model-step --out runs/bench
 
-Grid: bf16, head dim 64/128, T = 1K..16K, 16,384 tokens per batch (B = 16384 / T), hidden 2048
-(H = 2048 / D), padding 0/25/50% (every sequence has L = (1 - p) T valid tokens). TFLOPS count
-valid tokens only: forward 4 H D sum(L^2), backward 2.5x forward; time = do_bench median (ms).
-``sigmoid-triton`` is the op as the model calls it (unpadded at head dim 128: the dense kernels;
-else lookahead always, TMA from T = 4096 if aligned, q in registers at head dim 128);
-``sigmoid-triton-plain / -tma / -lookahead`` force the general forward's levers off / one on,
-``sigmoid-triton-tma-lookahead`` both on at any T, and ``-tma-lookahead-aregs`` those and q in
-registers, to measure each (forward only: the backward does not change). Unpadded at head dim 128,
-the op used before session 9 what ``-tma-lookahead-aregs`` runs from T = 4096 and ``-lookahead``
-below.
-Softmax baselines get a key-padding mask where they support one (cuDNN: boolean mask; flash: none,
-so padded rows are skipped; FlexAttention: a block mask that skips padded blocks). Expected on an
-H200 (shared/notes/kernel-levers.md): cuDNN ~445 fwd TFLOPS at hd64, ~600 at hd128.
+Prints the fast sigmoid's accuracy against float64, one line of TFLOPS per provider, shape and
+round, then the table and the kernel bars. Grid: bf16, head dim 64/128, T = 1K..16K, 16,384 tokens
+per batch (B = 16384 / T), hidden 2048 (H = 2048 / D), padding 0/25/50% (every sequence has
+L = (1 - p) T valid tokens). TFLOPS count valid tokens only: forward 4 H D sum(L^2), backward 2.5x
+forward; time = do_bench median (ms). ``sigmoid-triton`` is the op as the model calls it,
+``sigmoid-triton-exact`` its exact sigmoid mode. Softmax baselines get a key-padding mask where
+they support one (cuDNN: boolean mask; flash: none, so padded rows are skipped; FlexAttention: a
+block mask that skips padded blocks). Expected on an H200 (shared/notes/kernel-levers.md): cuDNN
+~445 fwd TFLOPS at hd64, ~600 at hd128.
 
-``--model-step``: the stress_8k Encoder (12 x 768, hd 64) at T=8192, bf16 autocast, forward +
+``--model-step``: the stress_8k Transformer (12 x 768, hd 64) at T=8192, bf16 autocast, forward +
 masked-LM loss + backward, ``softmax`` vs ``sigmoid-triton`` backends, micro-batch 1 and 2,
 alternating for ``--rounds``.
-Writes ``attention.csv`` / ``attention.md`` and the issue's bars read from them, ``bars.csv`` /
-``bars.md`` (``kernels/bench_report.py``), or ``model_step.csv`` / ``model_step.md``, under
+Writes ``attention.csv`` / ``attention.md`` and the bars read from them, ``bars.csv`` / ``bars.md``
+(``stabilitylab.analysis.bench_report``), or ``model_step.csv`` / ``model_step.md``, under
 ``--out``. Every shape is timed ``--rounds`` times (default 3), providers interleaved within a
 round; tables show medians over rounds, bars medians of per-round ratios.
 """
@@ -42,32 +38,19 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from stabilitylab.kernels import sigmoid_attention
-from stabilitylab.kernels.bench_report import (
+from stabilitylab.analysis.bench_report import (
     bars,
     bars_markdown,
     markdown_table,
     model_step_bar,
     summary,
 )
+from stabilitylab.kernels import sigmoid_attention
 from stabilitylab.kernels.reference import key_mask_BT, sigmoid_attention_reference
-from stabilitylab.kernels.sigmoid_attention import EXACT, TANH_F32, _fwd_op, launch_forward
+from stabilitylab.kernels.sigmoid_attention import EXACT, TANH_F32, _fwd_op
 
 TOKENS, HIDDEN = 16_384, 2048
-PROVIDERS = [
-    "sigmoid-triton", "sigmoid-triton-exact", "sigmoid-triton-plain", "sigmoid-triton-tma",
-    "sigmoid-triton-lookahead", "sigmoid-triton-tma-lookahead", "sigmoid-triton-tma-lookahead-aregs",
-    "sigmoid-triton-tma-lookahead-aregs-q4", "cudnn", "flash", "flex", "eager-sigmoid",
-]  # fmt: skip
-# Forward levers forced (tma, lookahead, a_regs, query tiles per program): forward-only rows.
-LEVER_PROVIDERS = {
-    "sigmoid-triton-plain": (False, False, False, 1),
-    "sigmoid-triton-tma": (True, False, False, 1),
-    "sigmoid-triton-lookahead": (False, True, False, 1),
-    "sigmoid-triton-tma-lookahead": (True, True, False, 1),
-    "sigmoid-triton-tma-lookahead-aregs": (True, True, True, 1),
-    "sigmoid-triton-tma-lookahead-aregs-q4": (True, True, True, 4),
-}
+PROVIDERS = ["sigmoid-triton", "sigmoid-triton-exact", "cudnn", "flash", "flex", "eager-sigmoid"]
 
 
 def flops_fwd(H: int, D: int, lengths: list[int]) -> float:
@@ -94,12 +77,6 @@ def provider_fn(name: str, q, k, v, lengths_B) -> Callable[[], torch.Tensor] | N
         return lambda: sigmoid_attention(q, k, v, lengths_B)[0]
     if name == "sigmoid-triton-exact":
         return lambda: sigmoid_attention(q, k, v, lengths_B, exact=True)[0]
-    if name in LEVER_PROVIDERS:
-        tma, lookahead, a_regs, q_tiles = LEVER_PROVIDERS[name]
-        args = (lengths_B, 1 / math.sqrt(D), 0.0, True, TANH_F32, False)
-        qd, kd, vd = (t.detach() for t in (q, k, v))
-        levers = dict(tma=tma, lookahead=lookahead, a_regs=a_regs, q_tiles=q_tiles)
-        return lambda: launch_forward(qd, kd, vd, *args, **levers)[0]
     if name == "cudnn":
         mask = valid_BT[:, None, None, :] if padded else None
 
@@ -144,12 +121,10 @@ def time_provider(name, fwd, q, k, v) -> tuple[float, float]:
         return float("nan"), float("nan")
     out = fwd()  # compile / autotune outside the timed region
     ms_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
-    ms_b = float("nan")
-    if name not in LEVER_PROVIDERS:
-        g = torch.randn_like(out)
-        grad = lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
-        grad()
-        ms_b = triton.testing.do_bench(grad, warmup=25, rep=100, return_mode="median")
+    g = torch.randn_like(out)
+    grad = lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+    grad()
+    ms_b = triton.testing.do_bench(grad, warmup=25, rep=100, return_mode="median")
     return ms_f, ms_b
 
 
@@ -239,7 +214,7 @@ def _time_step(model, tokens, lengths, labels, loss_fn) -> float:
 def bench_model_step(args) -> pd.DataFrame:
     """Both backends built once per micro-batch, then timed alternately for ``args.rounds``."""
     from stabilitylab.config import stress_8k
-    from stabilitylab.model import Encoder, masked_lm_loss_sum, vocab_size_for
+    from stabilitylab.model import Transformer, masked_lm_loss_sum, vocab_size_for
 
     cfg = stress_8k()
     T, vocab = 8192, vocab_size_for(cfg.data.n_genes)
@@ -248,7 +223,7 @@ def bench_model_step(args) -> pd.DataFrame:
         models = {}
         for backend in ("softmax", "sigmoid-triton"):
             torch.manual_seed(0)
-            models[backend] = Encoder(cfg.model, vocab, T, backend).cuda()
+            models[backend] = Transformer(cfg.model, vocab, T, backend).cuda()
         tokens = torch.randint(3, vocab, (mb, T), device="cuda")
         lengths = torch.full((mb,), T, device="cuda")
         labels = torch.where(torch.rand(mb, T, device="cuda") < 0.15, tokens, -100)
@@ -276,10 +251,10 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "--quick", action="store_true", help="T 4K/16K, padding 0/25%%: one short device call"
+        "--quick", action="store_true", help="T 4K/16K, padding 0/25%% (a few minutes on an H200)"
     )
     p.add_argument(
-        "--model-step", action="store_true", help="time the stress_8k Encoder step instead"
+        "--model-step", action="store_true", help="time the stress_8k Transformer step instead"
     )
     p.add_argument("--providers", nargs="+", default=PROVIDERS)
     p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
@@ -289,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         "--rounds", type=int, default=3,
         help="times each shape is timed for every provider (interleaved); tables show medians",
     )  # fmt: skip
-    p.add_argument("--out", default=os.environ.get("OUT", "results/bench"))
+    p.add_argument("--out", default="runs/bench", help="folder for the CSV and markdown tables")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")

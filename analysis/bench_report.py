@@ -1,12 +1,13 @@
-"""Tables and the issue's bars from the attention benchmark's rows (pure functions, no GPU).
+"""Tables and kernel bars from the attention benchmark's rows (pure functions, no GPU).
 
-``kernels/bench_attention.py`` writes one row per (provider, D, T, pad, round) with columns
-``provider, D, T, pad, round, fwd_ms, bwd_ms, fwd_tflops, bwd_tflops``. Within a round every
-provider is timed on the same shape one after another, so a per-round ratio compares two kernels
-under the same conditions (clock, power cap, neighbours); the bars are medians of those ratios.
+``experiments/bench/bench_attention.py`` writes one row per (provider, D, T, pad, round) with
+columns ``provider, D, T, pad, round, fwd_ms, bwd_ms, fwd_tflops, bwd_tflops``. Within a round
+every provider is timed on the same shape one after another, so a per-round ratio compares two
+kernels under the same conditions (clock, power cap, neighbours); the bars are medians of those
+ratios.
 
-Bars (issue 3, T >= 4096, bf16): the op's forward and backward TFLOPS >= SDPA cuDNN's at each head
-dim, and the op's TFLOPS with 25% padding within 10% of its unpadded figure.
+Bars (T >= 4096, bf16): the op's forward and backward TFLOPS >= SDPA cuDNN's at each head dim, and
+the op's TFLOPS with 25% padding within 10% of its unpadded figure.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _ratio_row(name: str, D: int, T: int, num: pd.Series, den: pd.Series, thresh
 
 
 def bars(df: pd.DataFrame) -> pd.DataFrame:
-    """The issue's kernel bars from one run: medians (and ranges) of per-round ratios.
+    """The kernel bars from one run: medians (and ranges) of per-round ratios.
 
     Rows: ``fwd vs cudnn`` / ``bwd vs cudnn`` (op / cuDNN TFLOPS, unpadded; threshold 1) and
     ``fwd 25% pad`` / ``bwd 25% pad`` (op padded / op unpadded TFLOPS; threshold 0.9), for every

@@ -1,8 +1,8 @@
 """Benchmark the lab's model at the stress setting on one GPU: step time, tokens/s, MFU, peak
 memory per arm, and the cost of the default telemetry.
 
-    PYTHONPATH=. python3 experiments/bench_model.py                   # 160M, T=8192, micro-batch 1
-    PYTHONPATH=. python3 experiments/bench_model.py --arms softmax sigmoid-triton --steps 10
+    python experiments/bench/bench_model.py                   # 160M, T=8192, micro-batch 1
+    python experiments/bench/bench_model.py --arms softmax sigmoid-triton --steps 10
 
 One optimizer step = forward + backward + AdamW on one micro-batch of full-length sequences
 (bf16 autocast). Telemetry overhead: the extra time of a step that records max |logit| and of one
@@ -20,8 +20,9 @@ import torch
 
 from stabilitylab.config import stress_8k
 from stabilitylab.model import (
-    Encoder,
+    Transformer,
     count_parameters,
+    dense_parameter_count,
     flops_per_step,
     masked_lm_loss_sum,
     vocab_size_for,
@@ -43,16 +44,16 @@ def bench_arm(cfg, backend: str, B: int, steps: int, peak_tflops: float) -> dict
     T = cfg.data.context_len
     vocab = vocab_size_for(cfg.data.n_genes)
     torch.manual_seed(0)
-    model = Encoder(cfg.model, vocab, T, backend).to(device)
+    model = Transformer(cfg.model, vocab, T, backend).to(device)
     opt = make_optimizer(cfg, model)
     params = list(model.parameters())
     n_params = count_parameters(model)
-    n_dense = n_params - model.tok_emb.weight.numel() - model.pos_emb.weight.numel()
+    n_dense = dense_parameter_count(model)
     tokens_BT, lengths_B, labels_BT = _batch(B, T, vocab, device)
     logit_mon, layer_mon = LogitMonitor(1), LayerStatsMonitor(1)
 
     def step(record_logits=False, layer_stats=False, grad_norm=True):
-        """One optimizer step as the trainer takes it (train.train_arm), telemetry chosen."""
+        """One optimizer step as the trainer takes it (stabilitylab.train.step), telemetry chosen."""
         if record_logits:
             logit_mon.attach(model)
         with torch.autocast("cuda", dtype=torch.bfloat16):

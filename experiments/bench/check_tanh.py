@@ -1,6 +1,6 @@
 """How accurate is ``tanh.approx.f32`` where sigmoid attention lives (GPU only).
 
-    PYTHONPATH=. python3 kernels/check_tanh.py
+    python experiments/bench/check_tanh.py
 
 With b = -log n most scores sit near x = -log n (n = 8192: x ~ -9, p ~ 1e-4), where
 p = 0.5 + 0.5 tanh(x / 2) subtracts two numbers near 0.5. Prints (1) the error of that p against
