@@ -1,0 +1,439 @@
+"""The eviction protocol: decode-window perplexity, compression, the tau sweep and its selection,
+and the baselines at a matched final live-cache size.
+
+Decode window (the paper does not give its split; the lab's choice): each evaluation window of
+``EvalWindows(split, context_len)`` is cut to its first ``P + W + 1`` tokens; the model prefills
+``P`` tokens and decodes ``W`` with teacher forcing, and the window's score is the mean ``-log p``
+of the ``W`` tokens the decode steps predict (tokens ``P + 1 .. P + W``). Default ``P = W = 256``
+at context 512 (``DecodeSplit.for_context`` halves any context). A window shorter than
+``P + W + 1`` tokens (only a split's last one can be) is skipped. PPL = ``exp(sum nll / sum
+tokens)`` over all scored tokens of all windows.
+
+Compression = evicted entries / written entries, an entry being one (token, head) row of one
+layer's cache, counted at the end of the decode (``P + W`` tokens written per layer): per layer,
+and in total over **all** layers (layer 0, which no gate precedes, counts in the denominator: the
+paper's "deletes 19.8% of KV entries" is of the whole cache). ``compression_evictable`` counts
+layers ``1 .. L-1`` only.
+
+Selection (the paper's rule): sweep ``TAU_GRID`` (15 points, below) on the validation split;
+``tau*`` = the highest-compression tau whose PPL is less than 0.1 above the same model's tau = 0
+(ties: the smaller tau). The guard against selecting on test is structural: ``sweep_tau`` runs
+on a ``Split.VAL`` set only, a ``Selection`` derives tau* itself from a validation ``Sweep``,
+a gate threshold other than 0 runs on ``Split.TEST`` only through ``evaluate_selected``, which
+takes a ``Selection`` (no tau argument) made from the same model.
+
+Baselines: H2O and KeyDiff run on a dense backbone through the same decode loop, with a budget
+matched per window and per layer to the gated model's final live cache at tau*: the gate keeps
+``n_l`` tokens in all ``H`` heads of layer ``l`` (``H n_l`` entries); the baseline keeps ``n_l``
+entries in every head (per-head eviction, the same total ``H n_l``). Layer 0 is matched too, so it
+is not evicted either. A baseline with the full budget (``P + W`` per head) evicts nothing and
+reproduces the dense PPL.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from stabilitylab.data.text.windows import EvalWindows, TokenSource
+from stabilitylab.eviction.decode import check_decoder, decode_nll
+from stabilitylab.eviction.policies import CachePolicy, GateThreshold
+from stabilitylab.model import Transformer
+
+TAU_GRID = (0.0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+"""The validation grid: dense near 0 where the paper's picks lie (0.01 softmax, 0.05 sigmoid),
+then steps of 0.05-0.1 up to 0.8."""
+MAX_DELTA_PPL = 0.1
+
+
+class Split(enum.Enum):
+    VAL = "val"
+    TEST = "test"
+
+
+@dataclass(frozen=True)
+class DecodeSplit:
+    prefill: int = 256
+    window: int = 256
+
+    def __post_init__(self):
+        if self.prefill < 1 or self.window < 1:
+            raise ValueError(f"prefill and window must be >= 1, got {self.prefill}, {self.window}")
+
+    @classmethod
+    def for_context(cls, context_len: int) -> DecodeSplit:
+        """Half prefill, half decode (256 + 256 at context 512)."""
+        if context_len < 2:
+            raise ValueError(
+                f"context_len must be >= 2 for a prefill and a window, got {context_len}"
+            )
+        return cls(prefill=context_len // 2, window=context_len - context_len // 2)
+
+    @property
+    def n_inputs(self) -> int:
+        return self.prefill + self.window
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """Evaluation windows tagged with the split they come from."""
+
+    split: Split
+    windows: TokenSource
+
+    @classmethod
+    def from_shards(cls, shards, split: Split, context_len: int) -> EvalSet:
+        """The tag picks the tokens (``shards.val`` / ``shards.test``): they cannot disagree."""
+        split = Split(split)
+        return cls(split, EvalWindows(shards.split(split.value), context_len, name=split.value))
+
+    def indices(self, decode: DecodeSplit, max_windows: int | None = None) -> list[int]:
+        """Windows holding ``P + W + 1`` tokens, in order, at most ``max_windows``."""
+        if decode.n_inputs > self.windows.context_len:
+            raise ValueError(
+                f"prefill + window = {decode.n_inputs} exceeds the windows' context_len "
+                f"{self.windows.context_len}"
+            )
+        n = len(self.windows)
+        full = [k for k in range(n) if k < n - 1 or len(self.windows.sample(k)) > decode.n_inputs]
+        return full if max_windows is None else full[:max_windows]
+
+    def tokens_BS(self, indices: list[int], decode: DecodeSplit) -> torch.Tensor:
+        S = decode.n_inputs + 1
+        return torch.from_numpy(np.stack([self.windows.sample(k)[:S] for k in indices]))
+
+
+def model_fingerprint(model: Transformer) -> str:
+    """A short hash of the config and per-parameter sums: tells two trained models apart."""
+    sums = torch.stack(
+        [torch.stack([p.detach().double().sum(), p.detach().double().abs().sum()]) for p in model.parameters()]
+    )  # fmt: skip
+    h = hashlib.sha256(repr(model.cfg).encode())
+    h.update(sums.cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# ---- results ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One model x policy x split. ``*_NL``: per window (in ``window_indices`` order) and layer."""
+
+    split: Split
+    policy: str
+    fingerprint: str
+    decode: DecodeSplit
+    n_heads: int
+    window_indices: tuple[int, ...]
+    nll_sum: float
+    n_targets: int
+    written_per_layer: int
+    """Entries each window wrote into each layer's cache: ``n_heads * (P + W)``."""
+    live_NL: np.ndarray
+    keys_read_NL: np.ndarray
+    bytes_per_entry: int
+    """K and V bytes of one entry: ``2 * head_dim * itemsize``."""
+    allocated_kv_bytes_L: np.ndarray
+    """K/V tensor bytes per layer after the last step, summed over the batches (includes the
+    padding slots of a batch whose rows kept different counts; equals the live bytes at B = 1)."""
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll_sum / self.n_targets)
+
+    @property
+    def evicted_NL(self) -> np.ndarray:
+        return self.written_per_layer - self.live_NL
+
+    @property
+    def compression_L(self) -> np.ndarray:
+        return self.evicted_NL.sum(0) / (self.written_per_layer * len(self.window_indices))
+
+    @property
+    def compression(self) -> float:
+        """Evicted / written over all layers (the denominator includes layer 0)."""
+        return float(self.compression_L.mean())
+
+    @property
+    def compression_evictable(self) -> float:
+        return float(self.compression_L[1:].mean())
+
+    @property
+    def live_kv_bytes_L(self) -> np.ndarray:
+        """Bytes of the live K/V entries per layer at the end, mean per window."""
+        return self.live_NL.mean(0) * self.bytes_per_entry
+
+    def row(self) -> dict:
+        """A flat record for a table (CSV / markdown)."""
+        out = {
+            "split": self.split.value,
+            "policy": self.policy,
+            "ppl": self.ppl,
+            "compression": self.compression,
+            "compression_evictable": self.compression_evictable,
+            "n_windows": len(self.window_indices),
+            "n_targets": self.n_targets,
+            "live_kv_bytes_per_window": float(self.live_kv_bytes_L.sum()),
+        }
+        out.update({f"compression_L{i}": float(c) for i, c in enumerate(self.compression_L)})
+        return out
+
+
+def _evaluate(model, evalset, policy, decode, keep_NL, indices, batch_size, progress):
+    fingerprint = model_fingerprint(model)
+    nll_sum, n_targets, live, read, alloc = 0.0, 0, [], [], 0
+    batches = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
+    if progress:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(batches, desc=f"{policy.name} {evalset.split.value}", leave=False)
+    start = 0
+    for idx in batches:
+        keep_BL = None if keep_NL is None else torch.from_numpy(keep_NL[start : start + len(idx)])
+        out = decode_nll(model, evalset.tokens_BS(idx, decode), decode.prefill, policy, keep_BL)
+        start += len(idx)
+        nll_sum += float(out.nll_BW.sum())
+        n_targets += out.nll_BW.numel()
+        live.append(out.live_BL.cpu().numpy())
+        read.append(out.keys_read_BL.cpu().numpy())
+        alloc = alloc + np.asarray(out.kv_bytes_L)
+    p = next(model.parameters())
+    return EvalResult(
+        split=evalset.split, policy=policy.name, fingerprint=fingerprint, decode=decode,
+        n_heads=model.cfg.n_heads, window_indices=tuple(indices), nll_sum=nll_sum,
+        n_targets=n_targets, written_per_layer=out.written_per_layer,
+        live_NL=np.concatenate(live), keys_read_NL=np.concatenate(read),
+        bytes_per_entry=2 * model.cfg.head_dim * p.element_size(), allocated_kv_bytes_L=alloc,
+    )  # fmt: skip
+
+
+def _window_indices(evalset, decode, max_windows) -> list[int]:
+    indices = evalset.indices(decode, max_windows)
+    if not indices:
+        raise ValueError(
+            f"no {evalset.split.value} window holds prefill + window + 1 = "
+            f"{decode.n_inputs + 1} tokens"
+        )
+    return indices
+
+
+def evaluate(
+    model: Transformer,
+    evalset: EvalSet,
+    policy: CachePolicy,
+    decode: DecodeSplit | None = None,
+    *,
+    batch_size: int = 16,
+    max_windows: int | None = None,
+    progress: bool = False,
+) -> EvalResult:
+    """Decode-window PPL and compression of ``model`` under ``policy`` (no budget). A gate
+    threshold above 0 on the test split runs only through ``evaluate_selected``."""
+    check_decoder(model)
+    if evalset.split is Split.TEST and isinstance(policy, GateThreshold) and policy.tau != 0:
+        raise ValueError(
+            f"{policy.name} on the test split: test runs at the tau* frozen on validation; "
+            "use evaluate_selected(model, test_set, select_tau(sweep_tau(model, val_set)))"
+        )
+    if policy.needs_budget:
+        raise ValueError(f"{policy.name} needs a budget: use evaluate_baseline")
+    decode = decode or DecodeSplit.for_context(evalset.windows.context_len)
+    indices = _window_indices(evalset, decode, max_windows)
+    return _evaluate(model, evalset, policy, decode, None, indices, batch_size, progress)
+
+
+# ---- the tau sweep and its selection ----------------------------------------------------------
+
+
+def check_grid(grid) -> tuple[float, ...]:
+    taus = tuple(float(t) for t in grid)
+    for t in taus:
+        GateThreshold(t)  # names a tau outside [0, 1]
+    if 0.0 not in taus:
+        raise ValueError(f"the tau grid must contain 0 (the model's own reference), got {taus}")
+    if len(set(taus)) != len(taus):
+        raise ValueError(f"the tau grid repeats a value: {taus}")
+    return tuple(sorted(taus))
+
+
+def select_tau_index(
+    taus: list[float], ppl: list[float], compression: list[float], max_delta: float = MAX_DELTA_PPL
+) -> int:
+    """The paper's rule: among taus with ``ppl - ppl(tau = 0) < max_delta``, the index of the one
+    with the highest compression (ties: the smaller tau). Pure; ``taus`` must contain 0."""
+    if 0.0 not in taus:
+        raise ValueError("select_tau_index needs tau = 0 among the taus")
+    ref = ppl[taus.index(0.0)]
+    ok = [i for i in range(len(taus)) if ppl[i] - ref < max_delta]
+    return max(ok, key=lambda i: (compression[i], -taus[i]))
+
+
+@dataclass(frozen=True)
+class Sweep:
+    split: Split
+    fingerprint: str
+    taus: tuple[float, ...]
+    results: tuple[EvalResult, ...]
+
+    def rows(self) -> list[dict]:
+        ref = self.results[self.taus.index(0.0)].ppl
+        return [
+            {"tau": t, **r.row(), "delta_ppl": r.ppl - ref}
+            for t, r in zip(self.taus, self.results, strict=True)
+        ]
+
+
+def sweep_tau(
+    model: Transformer,
+    val_set: EvalSet,
+    grid=TAU_GRID,
+    decode: DecodeSplit | None = None,
+    **kwargs,
+) -> Sweep:
+    """Decode-window PPL and compression at every tau of ``grid``, on validation windows only.
+    ``kwargs`` go to ``evaluate`` (batch_size, max_windows, progress)."""
+    if val_set.split is not Split.VAL:
+        raise ValueError(f"tau is swept on the validation split only, got {val_set.split.value}")
+    if not model.cfg.gates:
+        raise ValueError("sweep_tau needs a gated model (model.gates=True)")
+    taus = check_grid(grid)
+    results = tuple(evaluate(model, val_set, GateThreshold(t), decode, **kwargs) for t in taus)
+    return Sweep(Split.VAL, results[0].fingerprint, taus, results)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """tau* of one model, derived from its validation sweep (the constructor applies the rule)."""
+
+    sweep: Sweep
+    max_delta: float = MAX_DELTA_PPL
+    tau: float = field(init=False)
+
+    def __post_init__(self):
+        if self.sweep.split is not Split.VAL:
+            raise ValueError(
+                f"tau* is selected on validation only, got a {self.sweep.split.value} sweep"
+            )
+        taus = self.sweep.taus
+        i = select_tau_index(
+            list(taus),
+            [r.ppl for r in self.sweep.results],
+            [r.compression for r in self.sweep.results],
+            self.max_delta,
+        )
+        object.__setattr__(self, "tau", taus[i])
+
+    @property
+    def fingerprint(self) -> str:
+        return self.sweep.fingerprint
+
+    @property
+    def val_result(self) -> EvalResult:
+        return self.sweep.results[self.sweep.taus.index(self.tau)]
+
+
+def select_tau(sweep: Sweep, max_delta: float = MAX_DELTA_PPL) -> Selection:
+    return Selection(sweep, max_delta)
+
+
+def evaluate_selected(
+    model: Transformer, test_set: EvalSet, selection: Selection, **kwargs
+) -> EvalResult:
+    """The gated model on test at its frozen tau*, with the validation sweep's decode split."""
+    if not isinstance(selection, Selection):
+        raise ValueError(
+            f"evaluate_selected needs a Selection from select_tau, got {type(selection)}"
+        )
+    if test_set.split is not Split.TEST:
+        raise ValueError(f"evaluate_selected runs on the test split, got {test_set.split.value}")
+    if model_fingerprint(model) != selection.fingerprint:
+        raise ValueError("this tau* was selected on another model (fingerprints differ)")
+    decode = selection.val_result.decode
+    indices = _window_indices(test_set, decode, kwargs.pop("max_windows", None))
+    policy = GateThreshold(selection.tau)
+    return _evaluate(model, test_set, policy, decode, None, indices, **_loop_kwargs(kwargs))
+
+
+def _loop_kwargs(kwargs: dict) -> dict:
+    unknown = set(kwargs) - {"batch_size", "progress"}
+    if unknown:
+        raise TypeError(f"unknown arguments {sorted(unknown)}")
+    return {"batch_size": kwargs.get("batch_size", 16), "progress": kwargs.get("progress", False)}
+
+
+# ---- baselines at a matched budget ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Live entries (over all heads) per window and layer to match, from a gated model's run."""
+
+    split: Split
+    decode: DecodeSplit
+    window_indices: tuple[int, ...]
+    live_NL: np.ndarray
+    source: str
+
+    def keep_per_head_NL(self, n_heads: int) -> np.ndarray:
+        """Entries each head keeps: the matched total over ``n_heads`` (rounded down)."""
+        return (self.live_NL // n_heads).astype(np.int64)
+
+
+def matched_budget(gate_result: EvalResult) -> Budget:
+    """The final live cache of ``gate_result`` as a budget for the baselines."""
+    return Budget(
+        split=gate_result.split,
+        decode=gate_result.decode,
+        window_indices=gate_result.window_indices,
+        live_NL=gate_result.live_NL.copy(),
+        source=gate_result.policy,
+    )
+
+
+def check_budget(model: Transformer, evalset: EvalSet, budget: Budget) -> np.ndarray:
+    if budget.split is not evalset.split:
+        raise ValueError(
+            f"budget from the {budget.split.value} split used on {evalset.split.value} windows"
+        )
+    L = model.cfg.n_layers
+    if budget.live_NL.shape[1] != L:
+        raise ValueError(f"budget has {budget.live_NL.shape[1]} layers, the model has {L}")
+    keep_NL = budget.keep_per_head_NL(model.cfg.n_heads)
+    if keep_NL.max() > budget.decode.n_inputs:
+        n, layer = np.argwhere(keep_NL > budget.decode.n_inputs)[0]
+        raise ValueError(
+            f"baseline budget of {keep_NL[n, layer]} entries per head (window "
+            f"{budget.window_indices[n]}, layer {layer}) exceeds the sequence's "
+            f"{budget.decode.n_inputs} tokens"
+        )
+    return keep_NL
+
+
+def evaluate_baseline(
+    dense_model: Transformer, evalset: EvalSet, policy: CachePolicy, budget: Budget, **kwargs
+) -> EvalResult:
+    """A budgeted policy (H2O, KeyDiff) on the budget's windows, each window at its own
+    per-layer budget. ``kwargs``: batch_size, progress."""
+    check_decoder(dense_model)
+    if not policy.needs_budget:
+        raise ValueError(f"{policy.name} keeps no budget: use evaluate")
+    keep_NL = check_budget(dense_model, evalset, budget)
+    indices = list(budget.window_indices)
+    if indices != evalset.indices(budget.decode)[: len(indices)]:
+        raise ValueError("the budget's windows are not this evaluation set's windows")
+    return _evaluate(
+        dense_model, evalset, policy, budget.decode, keep_NL, indices, **_loop_kwargs(kwargs)
+    )
+
+
+def full_budget(evalset: EvalSet, n_layers: int, n_heads: int, decode: DecodeSplit, **kw) -> Budget:
+    """Every entry kept (zero budget reduction): a baseline then equals the dense run."""
+    indices = _window_indices(evalset, decode, kw.get("max_windows"))
+    live_NL = np.full((len(indices), n_layers), n_heads * decode.n_inputs, dtype=np.int64)
+    return Budget(evalset.split, decode, tuple(indices), live_NL, "full")
