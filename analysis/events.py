@@ -44,9 +44,11 @@ class TruncatedEventsWarning(UserWarning):
     """An event file ended inside a record (run still writing, or crashed); the rest was kept."""
 
 
-def read_event_file(path: str | Path) -> tuple[list[tuple[int, str, float]], bool]:
+def read_event_file(path: str | Path) -> tuple[list[tuple[int, str | None, float]], bool]:
     """Scalars of one event file as ``(step, tag, value)`` in file order, and whether it was cut.
 
+    A row ``(step, None, nan)`` marks a purge: a writer opened with ``purge_step=step`` (a resumed
+    run) asks readers to drop what earlier files logged at ``step`` and later (``apply_purges``).
     A file is cut when the whole records read do not account for its size: TensorBoard's reader
     stops silently at a partial or corrupt record, so the byte count is the only way to tell.
     """
@@ -57,6 +59,8 @@ def read_event_file(path: str | Path) -> tuple[list[tuple[int, str, float]], boo
     for record in RawEventFileLoader(str(path)).Load():
         consumed += len(record) + _RECORD_OVERHEAD
         event = event_pb2.Event.FromString(record)
+        if _is_purge(event):
+            rows.append((int(event.step), None, float("nan")))
         if not event.HasField("summary"):
             continue
         for v in event.summary.value:
@@ -64,6 +68,24 @@ def read_event_file(path: str | Path) -> tuple[list[tuple[int, str, float]], boo
             if value is not None:
                 rows.append((int(event.step), v.tag, value))
     return rows, consumed < size
+
+
+def _is_purge(event) -> bool:
+    """TensorBoard's restart marker: the log of a writer opened with ``purge_step``."""
+    log = getattr(event, "session_log", None)  # the protobuf's field name
+    return event.HasField("session_log") and log.status == log.START
+
+
+def apply_purges(rows: list[tuple[int, str | None, float]]) -> list[tuple[int, str, float]]:
+    """Rows in file order with every purge applied: a marker at step s drops the rows before it
+    whose step is >= s (what a killed run logged past its last checkpoint), as TensorBoard does."""
+    kept: list[tuple[int, str, float]] = []
+    for step, tag, value in rows:
+        if tag is None:
+            kept = [r for r in kept if r[0] < step]
+        else:
+            kept.append((step, tag, value))
+    return kept
 
 
 def _scalar(v) -> float | None:
@@ -117,7 +139,7 @@ def load_arm(arm_dir: str | Path, run: str, arm: str) -> tuple[pd.DataFrame, lis
         rows.extend(file_rows)
         if truncated:
             cut.append(f)
-    df = pd.DataFrame(rows, columns=["step", "tag", "value"])
+    df = pd.DataFrame(apply_purges(rows), columns=["step", "tag", "value"])
     df = df.drop_duplicates(subset=["tag", "step"], keep="last")
     df.insert(0, "run", run)
     df.insert(1, "arm", arm)

@@ -46,8 +46,9 @@ from stabilitylab.analysis.events import (  # noqa: E402
     series,
 )
 
-IGNORED_PREFIXES = ("name", "preset", "out_dir", "arm", "backend", "resume", "report", "allow_cpu",
-                    "telemetry.", "train.seed", "train.checkpoint_every")  # fmt: skip
+IGNORED_PREFIXES = ("name", "preset", "out_dir", "arm", "backend", "resume", "fresh", "report",
+                    "allow_cpu", "trackers", "num_workers", "telemetry.", "train.seed",
+                    "train.checkpoint_every")  # fmt: skip
 OUTCOMES = ("diverged", "loss blow-up", "stable", "unfinished")
 
 

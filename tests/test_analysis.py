@@ -568,3 +568,25 @@ def test_stability_map_finds_the_setting_keys_and_counts_outcomes(tmp_path):
     text = paths["map.md"].read_text()
     # S2 = lr 0.1: softmax 2 of 2 diverged at step 500; sigmoid 1 blow-up in 2 runs.
     assert "| S2 | 0/1/2 at " in text and "| 2/0/2 at 500,500 |" in text
+
+
+def test_a_resumed_writer_purges_what_the_killed_run_logged_past_its_checkpoint(tmp_path):
+    """A run killed at step 9 after its checkpoint at step 5 resumes with purge_step=5: the
+    killed run's points 5-9 must not sit beside (or, for 8-9, outlive) the resumed run's."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from stabilitylab.analysis.events import load_arm
+
+    first = SummaryWriter(str(tmp_path))
+    for step in range(10):
+        first.add_scalar("train/loss", 100.0 + step, step)
+    first.close()
+    time.sleep(1.1)  # event file names carry the second they were opened in
+    resumed = SummaryWriter(str(tmp_path), purge_step=5)
+    for step in range(5, 8):
+        resumed.add_scalar("train/loss", 200.0 + step, step)
+    resumed.close()
+    df, cut = load_arm(tmp_path, "run", "arm")
+    assert not cut
+    assert df.step.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert df.value.tolist() == [100.0, 101.0, 102.0, 103.0, 104.0, 205.0, 206.0, 207.0]
