@@ -55,3 +55,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_cuda)
         elif not interpreter and needs_interpreter(item):
             item.add_marker(no_interpreter)
+
+
+@pytest.fixture
+def one_thread():
+    """Intra-op threads fight over a small shared CPU; one thread runs tiny models faster."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -9,49 +9,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from stabilitylab import config as C
 from stabilitylab.cli import USAGE_ERROR, train_main
 from stabilitylab.train import checkpoint, run
 from stabilitylab.train.checkpoint import CheckpointError, read_state
+from tests.tiny_runs import TINY, arm_dir
+from tests.tiny_runs import tiny as tiny_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# A smoke run shrunk to ~50 ms a step on one thread, with dropout on (its draws are what a
-# checkpoint's RNG state must carry) and two micro-batches per step.
-TINY = [
-    "--model.d_model=32",
-    "--model.n_heads=2",
-    "--model.d_ff=64",
-    "--model.dropout=0.1",
-    "--data.context_len=32",
-    "--data.min_genes=8",
-    "--data.n_genes=64",
-    "--data.genes_per_program=16",
-    "--train.global_batch=4",
-    "--train.micro_batch=2",
-    "--telemetry.probe_every=0",
-    "--telemetry.log_every=1",
-    "--report=False",
-]
+# tests/tiny_runs.py's run with dropout on: its draws are what a checkpoint's RNG state must carry.
+DROPOUT = "--model.dropout=0.1"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Intra-op threads fight over a small shared CPU; one thread runs these tiny models faster."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(out_dir, *overrides):
-    return C.parse(
-        ["--preset", "smoke", "--arm=sigmoid", f"--out_dir={out_dir}", *TINY, *overrides]
-    )
-
-
-def arm_dir(out_dir) -> Path:
-    return Path(out_dir) / "smoke" / "sigmoid"
+    return tiny_run(out_dir, DROPOUT, *overrides)
 
 
 class Killed(BaseException):
@@ -204,7 +178,15 @@ def test_the_script_reports_a_damaged_checkpoint_in_one_line(finished_run, tmp_p
     (arm_dir(out) / "checkpoints" / "last" / "rng0.pt").write_bytes(b"")
     with pytest.raises(SystemExit) as exit_info:
         train_main(
-            ["--preset", "smoke", "--arm=sigmoid", f"--out_dir={out}", *TINY, "--train.steps=6"]
+            [
+                "--preset",
+                "smoke",
+                "--arm=sigmoid",
+                f"--out_dir={out}",
+                *TINY,
+                DROPOUT,
+                "--train.steps=6",
+            ]
         )
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == USAGE_ERROR

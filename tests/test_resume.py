@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 from stabilitylab import config as C
@@ -18,39 +17,9 @@ from stabilitylab.data.source import CellSource
 from stabilitylab.train import build, loop, run
 from stabilitylab.train.checkpoint import read_state
 from stabilitylab.train.resume import ResumeError, config_changes
+from tests.tiny_runs import arm_dir, tiny
 
-TINY = [
-    "--model.d_model=32",
-    "--model.n_heads=2",
-    "--model.d_ff=64",
-    "--data.context_len=32",
-    "--data.min_genes=8",
-    "--data.n_genes=64",
-    "--data.genes_per_program=16",
-    "--train.global_batch=4",
-    "--train.micro_batch=2",
-    "--telemetry.probe_every=0",
-    "--telemetry.log_every=1",
-    "--report=False",
-]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def tiny(out_dir, *overrides):
-    return C.parse(
-        ["--preset", "smoke", "--arm=sigmoid", f"--out_dir={out_dir}", *TINY, *overrides]
-    )
-
-
-def arm_dir(out_dir) -> Path:
-    return Path(out_dir) / "smoke" / "sigmoid"
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def snapshot(d: Path) -> dict[str, bytes]:
