@@ -477,13 +477,14 @@ class Config:
     def _check_task(self) -> None:
         """The model, the arms and validation agree with the task the data implies."""
         lm = self.task == "lm"
+        need = (
+            "a causal decoder (True): it trains next-token prediction"
+            if lm
+            else "the bidirectional encoder (False): it trains masked-token prediction"
+        )
         _check(
-            self.model.causal == lm,
-            "model.causal",
-            f"data.source={self.data.source} trains "
-            + ("next-token prediction and needs a causal decoder (True)" if lm else
-               "masked-token prediction and needs the bidirectional encoder (False)"),
-        )  # fmt: skip
+            self.model.causal == lm, "model.causal", f"data.source={self.data.source} needs {need}"
+        )
         bad = [c for c in self.cells if c not in CELLS]
         _check(not bad, "cells", f"unknown cell(s) {bad}; choose from {list(CELLS)}")
         _check(len(set(self.cells)) == len(self.cells), "cells", f"repeats a cell: {self.cells}")

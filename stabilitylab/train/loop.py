@@ -119,6 +119,8 @@ class Arm:
     n_params: int
     val: list[Batch]
     """This process's share of the fixed validation batches (the next-token task)."""
+    validates: bool
+    """The run has validation batches: every process joins each pass, even with no share."""
     policy: Policy | None = None
     wall_base: float = 0.0
     """Training time of the segments before this one (from the checkpoint)."""
@@ -140,7 +142,7 @@ class Arm:
         """Validation after step 0, every ``telemetry.val_every`` steps and after the last."""
         every = self.cfg.telemetry.val_every
         return (
-            bool(self.val) and every > 0 and (step % every == 0 or step == self.cfg.train.steps - 1)
+            self.validates and every > 0 and (step % every == 0 or step == self.cfg.train.steps - 1)
         )
 
     def record(self, step: int, numbers: StepNumbers) -> None:
@@ -213,7 +215,10 @@ def _build_arm(cfg, arm, data: TaskData, accelerator, plan, backend, config) -> 
         cfg, trainee.raw, world=accelerator.num_processes, cuda=accelerator.device.type == "cuda"
     )
     val = data.val[accelerator.process_index :: accelerator.num_processes]
-    a = Arm(cfg, arm, d, backend, config, trainee, tel, hist, plan.step, init_hash, n_params, val)
+    a = Arm(
+        cfg, arm, d, backend, config, trainee, tel, hist, plan.step, init_hash, n_params,
+        val=val, validates=bool(data.val),
+    )  # fmt: skip
     a.policy = Policy(cfg, hist, a.save, a.say)
     a.say(
         f"backend={backend} params={n_params / 1e6:.1f}M init_hash={init_hash} "

@@ -210,7 +210,8 @@ def read_numbers(out: StepOut) -> StepNumbers:
         if t is not None:
             n = t.numel()
             got[name], rest = rest[:n], rest[n:]
-    rows = {k: _rows(got[k], optional[k].shape[1]) for k in ("layer_stats_3L", "max_LH", "gate_3L") if k in got}  # fmt: skip
+    matrices = ("layer_stats_3L", "max_LH", "gate_3L")
+    rows = {k: _rows(v, optional[k].shape[1]) for k, v in got.items() if k in matrices}
     val_loss = None
     if "val_2" in got:
         total, count = got["val_2"]
