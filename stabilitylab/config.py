@@ -229,6 +229,7 @@ class DataConfig:
             self._check_cells()
 
     def _check_text(self) -> None:
+        """The token shards' keys (data.source=text)."""
         if self.text == "files":
             _check(bool(self.text_files), "data.text_files", "is required when data.text=files")
         if self.text == "hf":

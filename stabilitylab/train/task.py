@@ -23,7 +23,7 @@ import torch
 from stabilitylab.config import N_SPECIAL_TOKENS, Config, DataConfig
 from stabilitylab.data.batch import CLS_ID, IGNORE_LABEL, MASK_ID, PAD_ID, Batch
 from stabilitylab.data.loader import MicroBatchFn, masked_cells
-from stabilitylab.data.source import CellSource, DataError
+from stabilitylab.data.source import CellSource
 from stabilitylab.data.text import (
     EOT_ID,
     SPLITS,
@@ -33,6 +33,10 @@ from stabilitylab.data.text import (
     TokenSource,
     TrainWindows,
     make_lm_batch,
+    open_corpus,
+    open_sample,
+    shards_for_files,
+    shards_for_hf,
 )
 
 
@@ -71,16 +75,12 @@ def cell_task(source: CellSource, cfg: Config) -> TaskData:
 
 def open_text(data: DataConfig) -> Shards:
     """The token shards ``data.text`` names; a missing corpus names the command that builds it."""
-    from stabilitylab.data.text import open_corpus, open_sample, shards_for_files, shards_for_hf
-
     if data.text == "corpus":
         return open_corpus()
     if data.text == "sample":
         return open_sample()
     if data.text == "files":
         return shards_for_files(data.text_files)
-    if not data.hf_dataset:
-        raise DataError("data.hf_dataset is required when data.text=hf")
     return shards_for_hf(data.hf_dataset, split=data.hf_split, text_column=data.hf_text_column)
 
 
