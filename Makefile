@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.txt pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test setup data bench bench-kernels lint clean
+.PHONY: demo kv-demo test setup data bench bench-kernels lint clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml requirements/cpu.txt
 
 demo: $(STAMP)
 	$(PY) experiments/stress_8k.py --preset smoke
+
+# The KV-eviction study's 8 cells on the shipped text sample (CPU, about a minute; no corpus).
+kv-demo: $(STAMP)
+	$(PY) experiments/kv_eviction.py --preset tiny
 
 test: $(STAMP)
 	$(PY) -m pytest -q

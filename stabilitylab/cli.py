@@ -1,6 +1,7 @@
 """Console entry points and the error guard every script wraps around its ``main``.
 
     stabilitylab-train --preset smoke          # = python experiments/stress_8k.py --preset smoke
+    python experiments/kv_eviction.py --preset tiny     # kv_main: the KV-eviction study
     stabilitylab-report runs/smoke             # = python analysis/report.py runs/smoke
     stabilitylab-sweep runs/                   # = python analysis/sweep.py runs/
 
@@ -15,12 +16,18 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
-from stabilitylab.config import CPU_PRESETS, ConfigError, parse
+from stabilitylab.config import ConfigError, parse
 from stabilitylab.data.source import DataError
 
 TRAIN_DESCRIPTION = (
     "Paired softmax / sigmoid training runs: a preset sets every default, --section.key=value "
     "overrides one; then the stability report over the arms."
+)
+KV_DESCRIPTION = (
+    "The KV-eviction study: a causal decoder on text in up to 8 cells (softmax / sigmoid "
+    "attention x dense / learned KV-eviction gates x RoPE / NoPE) from the same initial weights "
+    "and batches; a preset sets every default, --section.key=value overrides one, --cells picks "
+    "cells; then the summary table and the report over the cells."
 )
 USAGE_ERROR = 2
 """Exit code of a refused input (argparse and tyro use it too)."""
@@ -56,21 +63,30 @@ def cli_errors() -> Iterator[None]:
         raise SystemExit(USAGE_ERROR) from None
 
 
-def train_main(argv: list[str] | None = None) -> int:
-    """The paired stress run (``experiments/stress_8k.py``): parse the config, train, report.
+def train_main(
+    argv: list[str] | None = None,
+    *,
+    default_preset: str = "stress_8k",
+    description: str = TRAIN_DESCRIPTION,
+) -> int:
+    """Parse the config, train every arm (or cell), report: the paired stress run
+    (``experiments/stress_8k.py``) and, with another default preset, the KV-eviction study.
 
     Returns the exit code: 0 when every arm ran to its end (stable or diverged: both are
     results), ``EXIT_INTERRUPTED`` (75) when SIGTERM / SIGINT stopped it, 1 when no arm ran, 2
     for bad input or a GPU preset without CUDA.
     """
     with cli_errors():
-        cfg = parse(argv, default_preset="stress_8k", description=TRAIN_DESCRIPTION)
+        cfg = parse(argv, default_preset=default_preset, description=description)
         import torch
 
+        from stabilitylab.presets import CPU_PRESETS
+
         if not torch.cuda.is_available() and cfg.preset not in CPU_PRESETS and not cfg.allow_cpu:
+            cpu_preset = "tiny" if cfg.task == "lm" else "smoke"
             print(
                 f"error: preset {cfg.preset!r} needs a CUDA GPU and none is visible. "
-                "On a CPU, run the CPU-sized preset: --preset smoke "
+                f"On a CPU, run the CPU-sized preset: --preset {cpu_preset} "
                 "(or --allow_cpu=True to run this one slowly)",
                 file=sys.stderr,
             )
@@ -81,6 +97,12 @@ def train_main(argv: list[str] | None = None) -> int:
     if any(s.get("interrupted_by_signal") for s in summaries.values()):
         return EXIT_INTERRUPTED
     return 0 if summaries else 1
+
+
+def kv_main(argv: list[str] | None = None) -> int:
+    """The KV-eviction study (``experiments/kv_eviction.py``): ``train_main`` with its presets'
+    default (reduced) and description."""
+    return train_main(argv, default_preset="reduced", description=KV_DESCRIPTION)
 
 
 def report_main(argv: list[str] | None = None) -> int:

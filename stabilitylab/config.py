@@ -1,12 +1,19 @@
-"""Typed configuration: a dataclass tree, presets, and command-line overrides.
+"""Typed configuration: a dataclass tree, the arms of both studies, command-line overrides.
 
     python experiments/stress_8k.py --preset smoke --train.lr=3e-3 --arm softmax
     python experiments/stress_8k.py --preset smoke --help     # every key, with smoke's defaults
+    python experiments/kv_eviction.py --preset tiny --cells sm-rope sig-g-rope
 
-A preset sets every default; ``--section.key=value`` overrides one key. Every field is checked in
-``__post_init__`` (numbers must be finite); an unknown key or a bad value stops the program before
-any work, naming the key. Stress knobs (learning-rate scale, warmup, context, depth/width, init
-scale, QK-LayerNorm, sigmoid bias, clipping) are plain fields with the paper's values as defaults.
+A preset (``stabilitylab.presets``) sets every default; ``--section.key=value`` overrides one key.
+Every field is checked in ``__post_init__`` (numbers must be finite); an unknown key or a bad value
+stops the program before any work, naming the key. Stress knobs (learning-rate scale, warmup,
+context, depth/width, init scale, QK-LayerNorm, sigmoid bias, clipping) are plain fields with the
+paper's values as defaults.
+
+The task follows the data: cells (``data.source`` synthetic | h5ad) train a bidirectional encoder
+on masked tokens and pair the arms ``softmax`` / ``sigmoid`` (``--arm``); text (``data.source=text``)
+trains a causal decoder on next tokens in the KV-eviction study's cells (``--cells``). An arm or a
+cell is a name; :meth:`Config.arm_config` gives the config it trains with.
 """
 
 from __future__ import annotations
@@ -18,6 +25,13 @@ import os
 import sys
 from dataclasses import dataclass, field
 from typing import Literal
+
+PRESET_NAMES = (
+    "stress_8k", "smoke", "proxy", "proxy_hot", "diverge_fast",  # the stress study
+    "tiny", "reduced", "paper",  # the KV-eviction study
+)  # fmt: skip
+"""The keys of ``stabilitylab.presets.PRESETS``, in order (that module checks they agree)."""
+PresetName = Literal[PRESET_NAMES]  # the type of Config.preset: tyro lists the names in --help
 
 N_SPECIAL_TOKENS = 3  # PAD=0, MASK=1, CLS=2; gene g has token id g + 3
 
@@ -34,6 +48,16 @@ class ConfigError(Exception):
 def _check(ok: bool, key: str, msg: str) -> None:
     if not ok:
         raise ConfigError(f"config {key}: {msg}")
+
+
+def _check_literals(obj: object, prefix: str, keys: tuple[str, ...]) -> None:
+    """Literal fields hold one of their kinds, also when built from a dict (a saved config)."""
+    from typing import get_args, get_type_hints
+
+    hints = get_type_hints(type(obj))
+    for key in keys:
+        kinds, value = get_args(hints[key]), getattr(obj, key)
+        _check(value in kinds, f"{prefix}{key}", f"unknown kind {value!r}; choose one of {kinds}")
 
 
 def check_finite(obj: object, prefix: str) -> None:
@@ -95,12 +119,7 @@ class ModelConfig:
 
     def _check_kinds(self) -> None:
         """Literal fields hold one of their kinds, also when built from a dict (a saved config)."""
-        from typing import get_args, get_type_hints
-
-        hints = get_type_hints(type(self))
-        for key in ("position", "qk_norm", "gate_injection"):
-            kinds, value = get_args(hints[key]), getattr(self, key)
-            _check(value in kinds, f"model.{key}", f"unknown kind {value!r}; choose one of {kinds}")
+        _check_literals(self, "model.", ("position", "qk_norm", "gate_injection"))
         for key in ("causal", "gates", "gate_per_head", "qk_layernorm"):
             value = getattr(self, key)
             _check(isinstance(value, bool), f"model.{key}", f"must be True or False, got {value!r}")
@@ -156,8 +175,27 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: Literal["synthetic", "h5ad"] = "synthetic"
-    """Where cells come from: the synthetic generator, or an AnnData .h5ad file (h5ad_path)."""
+    source: Literal["synthetic", "h5ad", "text"] = "synthetic"
+    """Cells from the synthetic generator or an AnnData .h5ad file (h5ad_path): masked-token
+    training of an encoder. text: next-token training of a causal decoder on token shards
+    (data.text says which)."""
+    text: Literal["corpus", "sample", "files", "hf"] = "corpus"
+    """Token shards of data.source=text: corpus (the offline English corpus `make data` builds
+    under data/text/), sample (the tiny pre-tokenised sample shipped in the package), files
+    (data.text_files, tokenised once and cached), hf (the Hugging Face dataset data.hf_dataset)."""
+    text_files: list[str] = field(default_factory=list)
+    """Local text files, one document each (data.text=files)."""
+    hf_dataset: str | None = None
+    """Hugging Face dataset name or a folder saved with save_to_disk (data.text=hf)."""
+    hf_split: str = "train"
+    """Split of data.hf_dataset to read (it is then cut into train / val / test shards)."""
+    hf_text_column: str = "text"
+    """Column of data.hf_dataset that holds the text."""
+    vocab: Literal["gpt2", "compact"] = "gpt2"
+    """Token ids of data.source=text. gpt2: GPT-2's BPE ids (50,257 rows of embedding and head).
+    compact: only the ids that occur in the shards' three splits (and end-of-text), renumbered in
+    id order; the CPU preset's shortcut (the shipped sample has 595, so the head is 84x narrower);
+    perplexity is then over that vocabulary. vocab.json of each run maps the ids back."""
     h5ad_path: str | None = None
     """Path to an AnnData .h5ad file (source=h5ad); genes come from var_names."""
     h5ad_layer: str = "X"
@@ -184,6 +222,21 @@ class DataConfig:
     def __post_init__(self) -> None:
         check_finite(self, "data.")
         _check(self.context_len >= 2, "data.context_len", f"must be >= 2, got {self.context_len}")
+        _check_literals(self, "data.", ("source", "text", "vocab"))
+        if self.source == "text":
+            self._check_text()
+        else:
+            self._check_cells()
+
+    def _check_text(self) -> None:
+        """The token shards' keys (data.source=text)."""
+        if self.text == "files":
+            _check(bool(self.text_files), "data.text_files", "is required when data.text=files")
+        if self.text == "hf":
+            _check(bool(self.hf_dataset), "data.hf_dataset", "is required when data.text=hf")
+
+    def _check_cells(self) -> None:
+        """The cell generator's and masking's keys (data.source synthetic or h5ad)."""
         _check(self.n_genes >= 8, "data.n_genes", f"must be >= 8, got {self.n_genes}")
         _check(
             0.0 < self.mask_prob < 1.0, "data.mask_prob", f"must be in (0, 1), got {self.mask_prob}"
@@ -249,6 +302,9 @@ class TrainConfig:
     """torch.compile the model (Module.compile); the kernels are opaque custom ops in the graph."""
     peak_tflops: float | None = None
     """Peak dense bf16 TFLOPS for MFU; None = from the GPU name (H100/H200: 989)."""
+    budget_lambda: float = 0.03
+    """Gated models only: the loss is CE + budget_lambda * mean gate (the KV-eviction paper's
+    0.03); train/loss logs the sum, train/ce_loss and train/budget_loss the two terms."""
 
     def __post_init__(self) -> None:
         check_finite(self, "train.")
@@ -279,6 +335,7 @@ class TrainConfig:
             "train.peak_tflops",
             "must be > 0 or None",
         )
+        _check(self.budget_lambda >= 0, "train.budget_lambda", "must be >= 0")
 
     @property
     def peak_lr(self) -> float:
@@ -304,10 +361,24 @@ class TelemetryConfig:
     """Power iterations per probe."""
     flush_secs: int = 5
     """Seconds between flushes of the TensorBoard event file (what a live viewer sees)."""
+    val_every: int = 0
+    """Steps between validation passes (data.source=text; 0 = off): mean next-token loss and
+    perplexity on fixed windows of the val split, in eval mode, after step 0, every val_every
+    steps and after the last step."""
+    val_batches: int = 0
+    """Validation batches of train.micro_batch windows each: the first ones of the val split, in
+    order, the same at every pass (0 = the whole split)."""
 
     def __post_init__(self) -> None:
         check_finite(self, "telemetry.")
-        for k in ("log_every", "layer_every", "logit_every", "probe_every"):
+        for k in (
+            "log_every",
+            "layer_every",
+            "logit_every",
+            "probe_every",
+            "val_every",
+            "val_batches",
+        ):
             _check(getattr(self, k) >= 0, f"telemetry.{k}", "must be >= 0")
         _check(self.probe_samples > 0, "telemetry.probe_samples", "must be positive")
         _check(self.probe_tokens > 1, "telemetry.probe_tokens", "must be > 1")
@@ -316,6 +387,25 @@ class TelemetryConfig:
 
 
 ARMS = ("softmax", "sigmoid")
+"""The stress study's arms (cells data): the attention kind, nothing else changes."""
+CELLS = (
+    "sm-rope", "sig-rope", "sm-g-rope", "sig-g-rope",
+    "sm-nope", "sig-nope", "sm-g-nope", "sig-g-nope",
+)  # fmt: skip
+"""The KV-eviction study's cells (text data), the paper's SM, Sig, SM+G, Sig+G with RoPE or NoPE:
+``{sm|sig}[-g]-{rope|nope}`` = softmax or sigmoid attention, learned gates or none, RoPE or no
+position at all. A cell sets model.gates and model.position (:meth:`Config.arm_config`)."""
+CellName = Literal[CELLS]
+
+
+def cell_settings(cell: str) -> tuple[str, bool, str]:
+    """``(attention kind, gates, position)`` of a cell name: ``sig-g-nope`` ->
+    ``("sigmoid", True, "none")``."""
+    if cell not in CELLS:
+        raise ConfigError(f"config cells: unknown cell {cell!r}; choose from {list(CELLS)}")
+    parts = cell.split("-")
+    kind = "softmax" if parts[0] == "sm" else "sigmoid"
+    return kind, "g" in parts[1:-1], "rope" if parts[-1] == "rope" else "none"
 
 
 @dataclass
@@ -327,7 +417,13 @@ class Config:
     out_dir: str = "runs"
     """Folder that holds the runs."""
     arm: Literal["both", "softmax", "sigmoid"] = "both"
-    """Attention arm(s) to train: both runs softmax, then sigmoid, from the same weights."""
+    """Stress study (cells data): the attention arm(s) to train; both runs softmax, then sigmoid,
+    from the same weights."""
+    cells: list[CellName] = field(default_factory=lambda: list(CELLS))
+    """KV-eviction study (data.source=text): the cells to train, in this order, from the same
+    weights where their parameters coincide and on the same batches; runs go to
+    <out_dir>/<name>/<cell>/. {sm|sig}[-g]-{rope|nope}: softmax or sigmoid attention, learned
+    gates (-g, the paper's +G) or none, RoPE or NoPE. A cell sets model.gates and model.position."""
     sigmoid_backend: Literal[
         "auto", "sigmoid-reference", "sigmoid-triton", "sigmoid-triton-exact"
     ] = "auto"
@@ -362,9 +458,9 @@ class Config:
 
     def __post_init__(self) -> None:
         _check(
-            self.preset in PRESETS,
+            self.preset in PRESET_NAMES,
             "preset",
-            f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}",
+            f"unknown preset {self.preset!r}; choose one of {list(PRESET_NAMES)}",
         )
         _check(
             bool(self.name) and "/" not in self.name,
@@ -377,12 +473,72 @@ class Config:
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section):
                 check_finite(section, f"{f.name}.")
+        self._check_task()
+
+    def _check_task(self) -> None:
+        """The model, the arms and validation agree with the task the data implies."""
+        lm = self.task == "lm"
+        need = (
+            "a causal decoder (True): it trains next-token prediction"
+            if lm
+            else "the bidirectional encoder (False): it trains masked-token prediction"
+        )
+        _check(
+            self.model.causal == lm, "model.causal", f"data.source={self.data.source} needs {need}"
+        )
+        bad = [c for c in self.cells if c not in CELLS]
+        _check(not bad, "cells", f"unknown cell(s) {bad}; choose from {list(CELLS)}")
+        _check(len(set(self.cells)) == len(self.cells), "cells", f"repeats a cell: {self.cells}")
+        if lm:
+            _check(bool(self.cells), "cells", "choose at least one cell")
+            _check(
+                self.arm == "both",
+                "arm",
+                "picks the stress study's arms; with data.source=text pick cells with --cells",
+            )
+        else:
+            _check(
+                list(self.cells) == list(CELLS),
+                "cells",
+                "picks the KV-eviction study's cells (data.source=text); cells data pair the "
+                "arms of --arm",
+            )
+            _check(
+                self.telemetry.val_every == 0,
+                "telemetry.val_every",
+                "validation reads the val split of data.source=text; cells have none (set 0)",
+            )
+
+    @property
+    def task(self) -> Literal["mlm", "lm"]:
+        """mlm: masked tokens of cells, encoder; lm: next tokens of text, causal decoder."""
+        return "lm" if self.data.source == "text" else "mlm"
 
     def arms(self) -> list[str]:
+        """The arm names this config trains, in order: cells for text, else the stress arms."""
+        if self.task == "lm":
+            return list(self.cells)
         return list(ARMS) if self.arm == "both" else [self.arm]
 
+    def attention_of(self, arm: str) -> Literal["softmax", "sigmoid"]:
+        """The attention kind of an arm or cell."""
+        if arm in ARMS:
+            return arm
+        return cell_settings(arm)[0]
+
+    def arm_config(self, arm: str) -> Config:
+        """The config ``arm`` trains with: this one for a stress arm; for a cell, a copy whose
+        model.gates and model.position are the cell's (checked again on the way)."""
+        if arm in ARMS:
+            return self
+        _, gates, position = cell_settings(arm)
+        return dataclasses.replace(
+            self, model=dataclasses.replace(self.model, gates=gates, position=position)
+        )
+
     def backend_for(self, arm: str, cuda: bool) -> str:
-        if arm == "softmax":
+        """The registered attention backend of an arm or cell on this machine."""
+        if self.attention_of(arm) == "softmax":
             return self.softmax_backend
         if self.sigmoid_backend == "auto":
             return "sigmoid-triton" if cuda else "sigmoid-reference"
@@ -403,122 +559,6 @@ def from_dict(d: dict) -> Config:
     )
 
 
-# ---- presets -------------------------------------------------------------------------------
-
-
-def stress_8k() -> Config:
-    """The paper's stress test (section 5.3, A.2): 160M encoder, 8K context, no clipping."""
-    return Config(preset="stress_8k", name="stress_8k")
-
-
-def smoke() -> Config:
-    """CPU-sized paired run: learns within a few hundred steps on 2 cores."""
-    return Config(
-        preset="smoke",
-        name="smoke",
-        model=ModelConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256, dropout=0.0),
-        data=DataConfig(
-            context_len=128,
-            n_genes=512,
-            n_cell_types=8,
-            n_programs=16,
-            genes_per_program=48,
-            min_genes=32,
-        ),
-        train=TrainConfig(
-            steps=300,
-            global_batch=16,
-            micro_batch=16,
-            lr=3e-3,
-            warmup_steps=30,
-            checkpoint_every=100,
-        ),
-        telemetry=TelemetryConfig(log_every=5, layer_every=25, logit_every=25),
-    )
-
-
-def proxy() -> Config:
-    """Small fast GPU model for sweeps: ~1 minute per 1,000-step run with six runs sharing one H200."""
-    return Config(
-        preset="proxy",
-        name="proxy",
-        model=ModelConfig(n_layers=4, d_model=256, n_heads=4, d_ff=1024),
-        data=DataConfig(
-            context_len=512,
-            n_genes=2048,
-            n_cell_types=32,
-            n_programs=64,
-            genes_per_program=96,
-            min_genes=64,
-        ),
-        train=TrainConfig(
-            steps=1000,
-            global_batch=32,
-            micro_batch=32,
-            lr=1e-3,
-            warmup_steps=100,
-            checkpoint_every=500,
-        ),
-        telemetry=TelemetryConfig(log_every=5, layer_every=25, logit_every=25),
-    )
-
-
-def proxy_hot() -> Config:
-    """The proxy pushed hard: lr 0.3, no warmup, init x3 (docs/RESULTS.md, "divergence hunt").
-
-    Measured on one H200 (--train.seed=1, sigmoid-reference, 1,000 steps): the *sigmoid* arm's
-    loss went from ~8 to 100-450 after step ~470 with a ~300x grad-norm jump; the softmax arm
-    stayed near 7.3.
-    """
-    cfg = proxy()
-    cfg.preset, cfg.name = "proxy_hot", "proxy_hot"
-    cfg.train.lr, cfg.train.warmup_steps, cfg.model.init_scale = 0.3, 0, 3.0
-    return cfg
-
-
-def diverge_fast() -> Config:
-    """Softmax diverges within minutes on one GPU (issue 6): the proxy made deeper and wider
-    (8 x 512, 8 heads of 64) at lr 0.1 with no weight decay. With decoupled decay, lr x wd = 0.01
-    would shrink every weight 1% per step and cap the logit growth (the paper's 1e-4 x 0.1 does
-    not); at the proxy's wd 0.1 no softmax run diverged up to lr 0.3.
-
-    Both arms run through the eager n x n references, which are reproducible bit for bit on a
-    GPU. With SDPA, softmax's backward differs in the last bits run to run, and at lr 0.1 those
-    bits decide whether a run diverges: seed 1 diverged in 3 of 6 SDPA runs, all seeds in 8 of 12
-    (docs/RESULTS.md, section 3). Eager, on the H200: seed 1 -> softmax diverges at step 665 in 3
-    of 3 runs (bit-identical curves); seed 3 at 281; seed 2 runs its 1,000 steps. Sigmoid (seeds 1-3) ran all 1,000
-    steps without the divergence rule firing; seed 3's loss blew up (``loss_blowup``).
-    """
-    cfg = proxy()
-    cfg.preset, cfg.name = "diverge_fast", "diverge_fast"
-    cfg.sigmoid_backend, cfg.softmax_backend = "sigmoid-reference", "softmax-reference"
-    m = cfg.model
-    m.n_layers, m.d_model, m.n_heads, m.d_ff = 8, 512, 8, 2048
-    cfg.train.lr, cfg.train.weight_decay, cfg.train.seed = 0.1, 0.0, 1
-    return cfg
-
-
-PRESETS = {
-    "stress_8k": stress_8k,
-    "smoke": smoke,
-    "proxy": proxy,
-    "proxy_hot": proxy_hot,
-    "diverge_fast": diverge_fast,
-}
-
-
-PresetName = Literal[tuple(PRESETS)]  # the type of Config.preset: tyro lists the names in --help
-CPU_PRESETS = ("smoke",)
-"""Presets sized for a CPU; the others refuse to start without CUDA unless allow_cpu=True."""
-
-
-def preset_summary(name: str) -> str:
-    """The first sentence of a preset's docstring, on one line."""
-    doc = " ".join((PRESETS[name].__doc__ or "").split("\n\n")[0].split())
-    end = doc.find(". ")
-    return doc if end < 0 else doc[: end + 1]
-
-
 def _preset_from_argv(argv: list[str], default: str) -> str:
     """The value of the last ``--preset NAME`` / ``--preset=NAME`` (tyro parses it again)."""
     name = default
@@ -529,8 +569,10 @@ def _preset_from_argv(argv: list[str], default: str) -> str:
             name = argv[i + 1]
         elif a.startswith("--preset="):
             name = a.split("=", 1)[1]
-    if name not in PRESETS:
-        raise ConfigError(f"config preset: unknown preset {name!r}; choose one of {list(PRESETS)}")
+    if name not in PRESET_NAMES:
+        raise ConfigError(
+            f"config preset: unknown preset {name!r}; choose one of {list(PRESET_NAMES)}"
+        )
     return name
 
 
@@ -545,6 +587,8 @@ def parse(
     and a message on an unknown key or a value of the wrong type.
     """
     import tyro
+
+    from stabilitylab.presets import PRESETS, preset_summary
 
     argv = list(sys.argv[1:] if argv is None else argv)
     base = PRESETS[_preset_from_argv(argv, default_preset)]()
@@ -563,3 +607,13 @@ def parse(
 
 def dumps(cfg: Config) -> str:
     return json.dumps(to_dict(cfg), indent=2, sort_keys=True)
+
+
+def __getattr__(name: str):
+    """The presets live in ``stabilitylab.presets``; ``from stabilitylab.config import smoke``
+    (and PRESETS, CPU_PRESETS, preset_summary) still resolve, on first use."""
+    from stabilitylab import presets
+
+    if name in presets.__all__:
+        return getattr(presets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

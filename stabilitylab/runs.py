@@ -1,10 +1,14 @@
 """Run directories: layout, resolved config, vocabulary, provenance and the final summary.
 
-<out_dir>/<name>/<arm>/
+<out_dir>/<name>/<arm>/          an arm of the stress study or a cell of the KV-eviction study
     config.json        resolved config the arm started with (+ arm, backend, mixed_precision;
-                       data.n_genes is the source's real vocabulary, e.g. an .h5ad file's genes)
-    vocab.json         token id -> gene name: token ``t >= gene_token_offset`` is gene
-                       ``genes[t - gene_token_offset]``; the ids below are the special tokens
+                       for a cell, model.gates and model.position are the cell's; data holds
+                       what the data turned out to be: n_genes, the source's real vocabulary,
+                       e.g. an .h5ad file's genes; for text vocab_size, train_tokens and the
+                       train split's sha256)
+    vocab.json         cells: token id -> gene name, token ``t >= gene_token_offset`` is gene
+                       ``genes[t - gene_token_offset]``, the ids below are the special tokens;
+                       text: the tokenizer, and with a compact vocabulary model id -> GPT-2 id
     provenance.json    git commit / dirty flag, torch / triton / CUDA / GPU, host, command of the
                        first start; "resumes" lists every later start (step, command, and any
                        config change forced with --resume=force); at the end of each segment
@@ -29,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from stabilitylab.config import N_SPECIAL_TOKENS, Config, to_dict
-from stabilitylab.data.batch import CLS_ID, MASK_ID, PAD_ID
+from stabilitylab.config import Config, to_dict
+from stabilitylab.telemetry import perplexity
 
 
 def arm_dir(cfg: Config, arm: str) -> Path:
@@ -97,28 +101,22 @@ def _finite_or_str(x: float | None):
     return x if math.isfinite(x) else str(x)
 
 
-def resolved_config(cfg: Config, arm: str, backend: str, n_genes: int, precision: str) -> dict:
-    """The config an arm runs with, as config.json records it."""
+def resolved_config(cfg: Config, arm: str, backend: str, precision: str, data_facts: dict) -> dict:
+    """The config an arm runs with (``cfg`` is the arm's own, ``Config.arm_config``), as
+    config.json records it; ``data_facts`` join the data section (``TaskData.facts``)."""
     d = {**to_dict(cfg), "arm": arm, "backend": backend, "mixed_precision": precision}
-    d["data"] = {**d["data"], "n_genes": n_genes}  # the source's vocabulary, not the default
+    d["data"] = {**d["data"], **data_facts}
     return d
 
 
-def start_arm(d: Path, config: dict, gene_names: list[str]) -> Path:
+def start_arm(d: Path, config: dict, vocab: dict) -> Path:
     """A fresh arm dir: whatever an earlier run left there is deleted first."""
     if d.exists():
         shutil.rmtree(d)
     (d / "checkpoints").mkdir(parents=True)
     write_json(d / "config.json", config)
     write_json(d / "provenance.json", provenance())
-    write_json(
-        d / "vocab.json",
-        {
-            "special_tokens": {"<pad>": PAD_ID, "<mask>": MASK_ID, "<cls>": CLS_ID},
-            "gene_token_offset": N_SPECIAL_TOKENS,
-            "genes": list(gene_names),
-        },
-    )
+    write_json(d / "vocab.json", vocab)
     return d
 
 
@@ -186,7 +184,22 @@ def arm_summary(
         "init_hash": init_hash,
         "peak_lr": peak_lr,
         "interrupted_by_signal": interrupted,
+        **lm_summary(hist),
     }
+
+
+def lm_summary(hist) -> dict:
+    """The next-token task's summary fields, from what the history holds (none for cells):
+    validation loss and perplexity at the first and last pass, the last logged CE, and the
+    last logged gate mean and binarization (fraction of gates < 0.05 or > 0.95, all layers)."""
+    out = {}
+    if hist.val_loss:
+        out["first_val_ppl"] = perplexity(hist.val_loss[0])
+        out["final_val_loss"] = hist.val_loss[-1]
+        out["final_val_ppl"] = perplexity(hist.val_loss[-1])
+    names = {"ce_loss": "final_ce_loss", "gate_mean": "gate_mean", "gate_frac_binary": "gate_frac_binary"}  # fmt: skip
+    out.update({names[k]: v for k, v in hist.last.items() if k in names})
+    return out
 
 
 SUMMARY_COLUMNS = (
@@ -201,11 +214,18 @@ SUMMARY_COLUMNS = (
 )
 
 
+LM_COLUMNS = ("final_ce_loss", "first_val_ppl", "final_val_ppl", "gate_mean", "gate_frac_binary")
+"""Columns the table adds when an arm has them (the next-token task)."""
+
+
 def print_summaries(summaries: dict[str, dict]) -> None:
-    print("\narm      " + " ".join(f"{c:>15}" for c in SUMMARY_COLUMNS))
+    extra = [c for c in LM_COLUMNS if any(c in s for s in summaries.values())]
+    columns = [*SUMMARY_COLUMNS, *extra]
+    width = max([8, *(len(a) for a in summaries)])
+    print(f"\n{'arm':<{width}} " + " ".join(f"{c:>15}" for c in columns))
     for arm, s in summaries.items():
         cells = []
-        for c in SUMMARY_COLUMNS:
+        for c in columns:
             v = s.get(c)
             cells.append(f"{v:>15.4g}" if isinstance(v, float) else f"{v!s:>15}")
-        print(f"{arm:<8} " + " ".join(cells))
+        print(f"{arm:<{width}} " + " ".join(cells))

@@ -4,7 +4,7 @@ Per-layer tags end in ``layer_{i}`` (0 = the layer nearest the embeddings); per-
 ``/head_{h}``. Analysis code parses tags with these helpers, never with ad-hoc strings.
 """
 
-LOSS = "train/loss"  # mean masked-token cross-entropy of the optimizer step (nats)
+LOSS = "train/loss"  # the step's loss: mean masked- or next-token CE (+ BUDGET_LOSS if gated)
 LR = "train/lr"
 GRAD_NORM = "train/grad_norm"  # global L2 norm of all gradients, before any clipping
 TOKENS_PER_S = "perf/tokens_per_s"  # valid tokens per second, all processes

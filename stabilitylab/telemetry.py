@@ -11,6 +11,7 @@ which ``stabilitylab.analysis.events`` reads), plus W&B / MLflow when ``--tracke
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -225,6 +226,23 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def gate_scalars(gate_3L: list[list[float]]) -> dict[str, float]:
+    """Per gated layer (the layer that emits the gate): mean gate, fraction < 0.05, fraction
+    > 0.95; and the mean over layers (each layer counts the same positions)."""
+    mean_L, low_L, high_L = gate_3L
+    out = {tags.GATE_MEAN: sum(mean_L) / len(mean_L)}
+    for i, (m, lo, hi) in enumerate(zip(mean_L, low_L, high_L, strict=True)):
+        out[tags.layer(tags.GATE_MEAN_LAYER, i)] = m
+        out[tags.layer(tags.GATE_LOW_LAYER, i)] = lo
+        out[tags.layer(tags.GATE_HIGH_LAYER, i)] = hi
+    return out
+
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)``, infinity past the float range."""
+    return math.exp(loss) if loss < 709.0 or not math.isfinite(loss) else math.inf
+
+
 # ---- one step's scalars ---------------------------------------------------------------------
 
 
@@ -239,6 +257,7 @@ class StepTelemetry:
         t = cfg.telemetry
         self.log_every, self.world, self.cuda = t.log_every, world, cuda
         self.model_cfg, self.n_dense = cfg.model, dense_parameter_count(model)
+        self.gated = cfg.model.gates
         self.layer = LayerStatsMonitor(t.layer_every)
         self.logit = LogitMonitor(t.logit_every)
         self.probe = None
@@ -263,6 +282,14 @@ class StepTelemetry:
         if self.logged(step):
             out.update(self._throughput(numbers, data, step_time_s))
             out[tags.LOSS], out[tags.GRAD_NORM], out[tags.LR] = numbers.loss, numbers.grad_norm, lr
+            if numbers.terms_2 is not None:  # the next-token task: train/loss = CE + budget
+                out[tags.CE_LOSS] = numbers.terms_2[0]
+                if self.gated:
+                    out[tags.BUDGET_LOSS] = numbers.terms_2[1]
+        if numbers.gate_3L is not None:
+            out.update(gate_scalars(numbers.gate_3L))
+        if numbers.val_loss is not None:
+            out[tags.VAL_LOSS], out[tags.VAL_PPL] = numbers.val_loss, perplexity(numbers.val_loss)
         if numbers.finite and numbers.layer_stats_3L is not None:
             out.update(LayerStatsMonitor.to_scalars(numbers.layer_stats_3L))
         if numbers.max_LH is not None:

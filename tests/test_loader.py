@@ -6,7 +6,7 @@ import torch
 
 from stabilitylab import config as C
 from stabilitylab.data import build_source, make_batch
-from stabilitylab.data.loader import StepBatches, step_loader
+from stabilitylab.data.loader import StepBatches, masked_cells, step_loader
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +17,11 @@ def cfg():
 @pytest.fixture(scope="module")
 def source(cfg):
     return build_source(cfg.data, cfg.train.seed)
+
+
+@pytest.fixture(scope="module")
+def cells(source, cfg):
+    return masked_cells(source, cfg)
 
 
 def expected(source, cfg, step, rank, world):
@@ -46,10 +51,10 @@ def same(a, b) -> bool:
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_each_rank_gets_its_share_of_each_step(cfg, source, world):
+def test_each_rank_gets_its_share_of_each_step(cfg, source, cells, world):
     for rank in range(world):
         loader = step_loader(
-            source, cfg, rank=rank, world=world, start=3, num_workers=0, pin_memory=False
+            cells, cfg, rank=rank, world=world, start=3, num_workers=0, pin_memory=False
         )
         items = [item for _, item in zip(range(2), loader, strict=False)]
         for step, item in zip((3, 4), items, strict=True):
@@ -61,28 +66,19 @@ def test_each_rank_gets_its_share_of_each_step(cfg, source, world):
             assert item.counts_2.tolist() == [sum(b.n_masked for b in want), sum(item.lengths)]
 
 
-def test_workers_change_nothing_and_the_global_rng_is_untouched(cfg, source):
+def test_workers_change_nothing_and_the_global_rng_is_untouched(cfg, cells):
     rng_before = torch.get_rng_state()
     short = C.parse(
         ["--preset", "smoke", "--train.global_batch=8", "--train.micro_batch=2", "--train.steps=5"]
     )
-    a = list(step_loader(source, short, rank=0, world=1, start=1, num_workers=0, pin_memory=False))
-    b = list(step_loader(source, short, rank=0, world=1, start=1, num_workers=2, pin_memory=False))
+    a = list(step_loader(cells, short, rank=0, world=1, start=1, num_workers=0, pin_memory=False))
+    b = list(step_loader(cells, short, rank=0, world=1, start=1, num_workers=2, pin_memory=False))
     assert [x.step for x in a] == [x.step for x in b] == [1, 2, 3, 4]
     for x, y in zip(a, b, strict=True):
         assert all(same(p, q) for p, q in zip(x.micro, y.micro, strict=True))
     assert torch.equal(torch.get_rng_state(), rng_before)
 
 
-def test_a_global_batch_the_processes_cannot_share_is_refused(source):
+def test_a_global_batch_the_processes_cannot_share_is_refused(cells):
     with pytest.raises(ValueError, match="global_batch=8 is not a multiple of micro_batch=3"):
-        StepBatches(
-            source,
-            global_batch=8,
-            micro_batch=3,
-            rank=0,
-            world=1,
-            context_len=16,
-            mask_prob=0.15,
-            seed=0,
-        )
+        StepBatches(cells, global_batch=8, micro_batch=3, rank=0, world=1)

@@ -358,7 +358,7 @@ def test_saved_config_with_an_unknown_kind_is_refused():
 
 
 def test_command_line_knobs_and_help(capsys):
-    c = C.parse(["--preset", "smoke", "--model.causal=True", "--model.position=rope",
+    c = C.parse(["--preset", "tiny", "--model.causal=True", "--model.position=rope",
                  "--model.qk_norm=rmsnorm", "--model.gates=True", "--model.gate_per_head=True"])  # fmt: skip
     m = c.model
     assert m.causal and m.position == "rope" and m.qk_norm_kind == "rmsnorm" and m.gate_per_head

@@ -7,7 +7,7 @@ import torch
 
 from stabilitylab import config as C
 from stabilitylab.data import build_source
-from stabilitylab.data.loader import step_loader
+from stabilitylab.data.loader import masked_cells, step_loader
 from stabilitylab.telemetry import StepTelemetry, global_grad_norm
 from stabilitylab.train import build
 from stabilitylab.train.step import read_numbers, train_step
@@ -36,7 +36,7 @@ def trainee_and_batch():
     accelerator = Accelerator(cpu=True)
     t = build.prepare(cfg, accelerator, model, accum=2)
     tel = StepTelemetry(cfg, t.raw, world=1, cuda=False)
-    source = build_source(cfg.data, cfg.train.seed)
+    source = masked_cells(build_source(cfg.data, cfg.train.seed), cfg)
     data = next(
         iter(step_loader(source, cfg, rank=0, world=1, start=0, num_workers=0, pin_memory=False))
     )

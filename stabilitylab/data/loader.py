@@ -1,15 +1,19 @@
 """One optimizer step's micro-batches per item, built by a torch DataLoader.
 
-    loader = step_loader(source, cfg, rank=r, world=w, start=s, num_workers=2, pin_memory=True)
+    make_micro = masked_cells(source, cfg)      # or a next-token batch function over text
+    loader = step_loader(make_micro, cfg, rank=r, world=w, start=s, num_workers=2, pin_memory=True)
     for data in loader:            # data.step = s, s + 1, ... cfg.train.steps - 1
         ...
 
-Item ``step`` of :class:`StepBatches` is this rank's share of the global batch of that step:
-``accum`` micro-batches of ``micro_batch`` cells each, micro-batch ``i`` holding the global samples
-``step * global_batch + rank * per_rank + i * micro_batch + [0, micro_batch)`` with
-``per_rank = global_batch / world``. So the data order depends on the seed and the global batch
-only, never on the process count or the number of loader workers (each cell's masking draws from
-its own generator, see :mod:`stabilitylab.data.batch`).
+``make_micro(indices)`` builds one micro-batch (a :class:`~stabilitylab.data.batch.Batch`) from
+global sample indices: masked cells (:func:`masked_cells`) or next-token text windows
+(``stabilitylab.train.task``). Item ``step`` of :class:`StepBatches` is this rank's share of the
+global batch of that step: ``accum`` micro-batches of ``micro_batch`` samples each, micro-batch
+``i`` holding the global samples ``step * global_batch + rank * per_rank + i * micro_batch +
+[0, micro_batch)`` with ``per_rank = global_batch / world``. So the data order depends on the seed
+and the global batch only, never on the process count or the number of loader workers (a sample
+depends on (seed, index) alone: each cell's masking draws from its own generator, see
+:mod:`stabilitylab.data.batch`; text windows, :mod:`stabilitylab.data.text.windows`).
 
 The loader never touches the global torch RNG (it gets its own generator), so dropout draws in
 the training step are the same with or without the loader, and after a resume.
@@ -17,7 +21,9 @@ the training step are the same with or without the loader, and after a resume.
 
 from __future__ import annotations
 
+import functools
 import signal
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +33,20 @@ from stabilitylab.config import Config
 from stabilitylab.data.batch import Batch, make_batch
 from stabilitylab.data.source import CellSource
 
+MicroBatchFn = Callable[[Sequence[int]], Batch]
+"""Global sample indices -> one micro-batch (CPU tensors); depends on the indices alone."""
+
+
+def masked_cells(source: CellSource, cfg: Config) -> MicroBatchFn:
+    """The stress study's micro-batches: cells of ``source``, masked (``make_batch``)."""
+    return functools.partial(
+        make_batch,
+        source,
+        context_len=cfg.data.context_len,
+        mask_prob=cfg.data.mask_prob,
+        seed=cfg.train.seed,
+    )
+
 
 @dataclass
 class StepBatch:
@@ -35,11 +55,12 @@ class StepBatch:
     step: int
     micro: list[Batch]
     counts_2: torch.Tensor
-    """float32 ``[masked tokens, valid tokens]`` of this rank's micro-batches."""
+    """float32 ``[predicted tokens, valid tokens]`` of this rank's micro-batches (masked cells;
+    next-token targets)."""
     lengths: list[int]
     """Valid tokens of every sequence, host integers (the FLOP count reads them, no sync)."""
     first_index: int
-    """Global sample index of this rank's first cell of the step."""
+    """Global sample index of this rank's first sample of the step."""
 
     def pin_memory(self) -> StepBatch:
         """Page-locked copies, so that ``to(device, non_blocking=True)`` is truly asynchronous
@@ -76,15 +97,12 @@ class StepBatches(Dataset):
 
     def __init__(
         self,
-        source: CellSource,
+        make_micro: MicroBatchFn,
         *,
         global_batch: int,
         micro_batch: int,
         rank: int,
         world: int,
-        context_len: int,
-        mask_prob: float,
-        seed: int,
     ):
         if global_batch % (micro_batch * world):
             raise ValueError(
@@ -93,11 +111,10 @@ class StepBatches(Dataset):
             )
         if not 0 <= rank < world:
             raise ValueError(f"rank must be in [0, {world}), got {rank}")
-        self.source = source
+        self.make_micro = make_micro
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.rank, self.per_rank = rank, global_batch // world
         self.accum = self.per_rank // micro_batch
-        self.context_len, self.mask_prob, self.seed = context_len, mask_prob, seed
 
     def first_index(self, step: int) -> int:
         return step * self.global_batch + self.rank * self.per_rank
@@ -105,13 +122,7 @@ class StepBatches(Dataset):
     def __getitem__(self, step: int) -> StepBatch:
         base = self.first_index(step)
         micro = [
-            make_batch(
-                self.source,
-                range(base + i * self.micro_batch, base + (i + 1) * self.micro_batch),
-                context_len=self.context_len,
-                mask_prob=self.mask_prob,
-                seed=self.seed,
-            )
+            self.make_micro(range(base + i * self.micro_batch, base + (i + 1) * self.micro_batch))
             for i in range(self.accum)
         ]
         lengths = [int(n) for b in micro for n in b.lengths_B.tolist()]  # CPU tensors: no sync
@@ -132,7 +143,7 @@ def _ignore_stop_signals(_worker_id: int) -> None:
 
 
 def step_loader(
-    source: CellSource,
+    make_micro: MicroBatchFn,
     cfg: Config,
     *,
     rank: int,
@@ -143,14 +154,11 @@ def step_loader(
 ) -> DataLoader:
     """Steps ``start .. cfg.train.steps - 1`` of this rank, ``num_workers`` building ahead."""
     dataset = StepBatches(
-        source,
+        make_micro,
         global_batch=cfg.train.global_batch,
         micro_batch=cfg.train.micro_batch,
         rank=rank,
         world=world,
-        context_len=cfg.data.context_len,
-        mask_prob=cfg.data.mask_prob,
-        seed=cfg.train.seed,
     )
     return DataLoader(
         dataset,

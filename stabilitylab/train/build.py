@@ -115,6 +115,10 @@ class Trainee:
     """The torch optimizer under accelerate's wrapper: ``found_inf`` is set on it."""
     params: list[torch.nn.Parameter]
     accum: int
+    task: str = "mlm"
+    """``Config.task``: mlm (masked cells) or lm (next tokens, with the budget term when gated)."""
+    budget_lambda: float = 0.0
+    """``train.budget_lambda``: weight of the mean gate in the loss (gated models)."""
 
     @property
     def world(self) -> int:
@@ -135,4 +139,6 @@ def prepare(cfg: Config, accelerator, model: torch.nn.Module, accum: int) -> Tra
         inner_optimizer=getattr(optimizer, "optimizer", optimizer),
         params=list(raw.parameters()),
         accum=accum,
+        task=cfg.task,
+        budget_lambda=cfg.train.budget_lambda,
     )

@@ -1,12 +1,16 @@
-"""The training loop on HF accelerate: paired arms, one after the other, then the report.
+"""The training loop on HF accelerate: the arms of a run, one after the other, then the report.
 
     result = run(cfg)            # every arm of cfg; {arm: summary}
 
-Each arm starts from the same initial weights (seeded construction, checked by hash) and sees the
-same data in the same order (``stabilitylab.data.loader``). Every step reads as
+The arms are the stress study's ``softmax`` / ``sigmoid`` (cells) or the KV-eviction study's
+cells (text); each trains with its own config, ``cfg.arm_config(arm)``. Each arm starts from the
+same initial weights where the parameters coincide (seeded construction; the gates draw no random
+number; checked by hash for the stress arms) and sees the same data in the same order
+(``stabilitylab.data.loader``). Every step reads as
 
-    batch (DataLoader) -> step (``step.train_step``, one host read) -> telemetry (history,
-    trackers) -> policy (``policy.Policy``: non-finite steps, the divergence rule) -> checkpoint
+    batch (DataLoader) -> step (``step.train_step``, validation when due, one host read) ->
+    telemetry (history, trackers) -> policy (``policy.Policy``: non-finite steps, the divergence
+    rule) -> checkpoint
 
 and SIGTERM / SIGINT stop the loop at the end of a step, after a checkpoint.
 """
@@ -23,9 +27,10 @@ import torch
 from stabilitylab import runs
 from stabilitylab.config import Config, ConfigError
 from stabilitylab.data import build_source
+from stabilitylab.data.batch import Batch
 from stabilitylab.data.loader import step_loader
 from stabilitylab.kernels import autotune_choices
-from stabilitylab.model import count_parameters, vocab_size_for
+from stabilitylab.model import count_parameters
 from stabilitylab.telemetry import (
     StepTelemetry,
     end_trackers,
@@ -35,7 +40,8 @@ from stabilitylab.telemetry import (
 )
 from stabilitylab.train import build, checkpoint, resume
 from stabilitylab.train.policy import History, Policy
-from stabilitylab.train.step import read_numbers, train_step
+from stabilitylab.train.step import StepNumbers, read_numbers, train_step, validation_sums
+from stabilitylab.train.task import TaskData, cell_task, text_task
 
 
 class Stopper:
@@ -73,6 +79,27 @@ def check(cfg: Config, world: int, cuda: bool) -> None:
         raise ConfigError(f"config trackers: {', '.join(missing)} not installed (pip install it)")
     build.mixed_precision(cfg, cuda)
     build.accumulation_steps(cfg, world)
+    if cfg.task == "lm":
+        # The cells own these two keys; an override would be replaced without a word.
+        if cfg.model.gates:
+            raise ConfigError(
+                "config model.gates: each cell sets it (the -g- cells are gated); leave it False "
+                "and pick cells with --cells"
+            )
+        if cfg.model.position != "rope":
+            raise ConfigError(
+                "config model.position: each cell sets it (-rope: rope, -nope: none); leave it "
+                "rope and pick cells with --cells"
+            )
+    for arm in cfg.arms():
+        cfg.arm_config(arm)  # a cell's own settings are checked too (e.g. rope's even head dim)
+
+
+def open_data(cfg: Config) -> TaskData:
+    """The run's data, opened once for all its arms; bad data raises ``DataError`` here."""
+    if cfg.task == "lm":
+        return text_task(cfg)
+    return cell_task(build_source(cfg.data, cfg.train.seed), cfg)
 
 
 @dataclass
@@ -90,6 +117,10 @@ class Arm:
     start: int
     init_hash: str
     n_params: int
+    val: list[Batch]
+    """This process's share of the fixed validation batches (the next-token task)."""
+    validates: bool
+    """The run has validation batches: every process joins each pass, even with no share."""
     policy: Policy | None = None
     wall_base: float = 0.0
     """Training time of the segments before this one (from the checkpoint)."""
@@ -107,6 +138,25 @@ class Arm:
         """Training time so far, all segments summed, into ``hist``."""
         hist.wall_time_s = self.wall_base + time.time() - self.wall_start
 
+    def val_due(self, step: int) -> bool:
+        """Validation after step 0, every ``telemetry.val_every`` steps and after the last."""
+        every = self.cfg.telemetry.val_every
+        return (
+            self.validates and every > 0 and (step % every == 0 or step == self.cfg.train.steps - 1)
+        )
+
+    def record(self, step: int, numbers: StepNumbers) -> None:
+        """The step's numbers into the history the policy reads and the checkpoint keeps."""
+        self.hist.append(step, numbers.loss, numbers.grad_norm, numbers.max_LH)
+        if numbers.val_loss is not None:
+            self.hist.append_val(step, numbers.val_loss)
+        if numbers.terms_2 is not None:
+            self.hist.last["ce_loss"], self.hist.last["budget_loss"] = numbers.terms_2
+        if numbers.gate_3L is not None:
+            mean_L, low_L, high_L = numbers.gate_3L
+            self.hist.last["gate_mean"] = sum(mean_L) / len(mean_L)
+            self.hist.last["gate_frac_binary"] = (sum(low_L) + sum(high_L)) / len(mean_L)
+
     def save(self, name: str, step: int, hist: History, extra: dict | None = None) -> None:
         self.tick(hist)
         checkpoint.save(
@@ -122,7 +172,7 @@ class Arm:
         )
 
 
-def _start(cfg: Config, arm: str, source, state) -> tuple[resume.Start, str, dict]:
+def _start(cfg: Config, arm: str, data: TaskData, state) -> tuple[resume.Start, str, dict]:
     """Plan the arm's start on the main process (it alone reads and hashes the checkpoint), share
     the plan, and prepare the arm dir for it."""
     from accelerate.utils import broadcast_object_list
@@ -130,7 +180,7 @@ def _start(cfg: Config, arm: str, source, state) -> tuple[resume.Start, str, dic
     cuda = torch.cuda.is_available()
     backend = cfg.backend_for(arm, cuda)
     precision = build.mixed_precision(cfg, cuda)[0]
-    config = runs.resolved_config(cfg, arm, backend, source.n_genes, precision)
+    config = runs.resolved_config(cfg, arm, backend, precision, data.facts)
     d = runs.arm_dir(cfg, arm)
     plan = [None]
     if state.is_main_process:
@@ -142,15 +192,15 @@ def _start(cfg: Config, arm: str, source, state) -> tuple[resume.Start, str, dic
     if isinstance(plan, Exception):
         raise plan
     if state.is_main_process and plan.kind == "fresh":
-        runs.start_arm(d, config, source.gene_names)
+        runs.start_arm(d, config, data.vocab)
     elif state.is_main_process and plan.kind == "resume":
         runs.record_resume(d, plan.step, plan.changes)
     state.wait_for_everyone()
     return plan, backend, config
 
 
-def _build_arm(cfg, arm, source, accelerator, plan, backend, config) -> Arm:
-    model = build.build_model(cfg, backend, vocab_size_for(source.n_genes))
+def _build_arm(cfg, arm, data: TaskData, accelerator, plan, backend, config) -> Arm:
+    model = build.build_model(cfg, backend, data.vocab_size)
     init_hash, n_params = build.weights_hash(model), count_parameters(model)
     accum = build.accumulation_steps(cfg, accelerator.num_processes)
     trainee = build.prepare(cfg, accelerator, model, accum)
@@ -164,7 +214,11 @@ def _build_arm(cfg, arm, source, accelerator, plan, backend, config) -> Arm:
     tel = StepTelemetry(
         cfg, trainee.raw, world=accelerator.num_processes, cuda=accelerator.device.type == "cuda"
     )
-    a = Arm(cfg, arm, d, backend, config, trainee, tel, hist, plan.step, init_hash, n_params)
+    val = data.val[accelerator.process_index :: accelerator.num_processes]
+    a = Arm(
+        cfg, arm, d, backend, config, trainee, tel, hist, plan.step, init_hash, n_params,
+        val=val, validates=bool(data.val),
+    )  # fmt: skip
     a.policy = Policy(cfg, hist, a.save, a.say)
     a.say(
         f"backend={backend} params={n_params / 1e6:.1f}M init_hash={init_hash} "
@@ -218,10 +272,12 @@ def _loop(a: Arm, loader, stopper: Stopper, progress: Progress) -> int:
         t0 = time.perf_counter()
         data = next(batches).to(device, non_blocking=True)
         out = train_step(t, data, build.lr_at(cfg, step), cfg.train.clip_grad, a.tel)
+        if a.val_due(step):
+            out.val_2 = validation_sums(t, a.val)
         numbers = read_numbers(out)
         dt = time.perf_counter() - t0
 
-        a.hist.append(step, numbers.loss, numbers.grad_norm, numbers.max_LH)
+        a.record(step, numbers)
         scalars = a.tel.scalars(
             step, numbers, data, dt, build.lr_at(cfg, step), t.raw, a.accelerator.is_main_process
         )
@@ -248,14 +304,14 @@ def _loop(a: Arm, loader, stopper: Stopper, progress: Progress) -> int:
     return step
 
 
-def _train_arm(cfg: Config, arm: str, source):
+def _train_arm(cfg: Config, arm: str, data: TaskData):
     """One arm to ``cfg.train.steps`` (or divergence / a stop signal): (summary, accelerator,
-    whether a signal stopped it)."""
+    whether a signal stopped it). ``cfg`` is the arm's own (``Config.arm_config``)."""
     from accelerate import PartialState
 
     cuda = torch.cuda.is_available()
     state = PartialState(cpu=not cuda)
-    plan, backend, config = _start(cfg, arm, source, state)
+    plan, backend, config = _start(cfg, arm, data, state)
     d = runs.arm_dir(cfg, arm)
     accelerator = build.make_accelerator(cfg, d, plan.step if plan.kind == "resume" else None)
     if plan.kind == "done":
@@ -267,11 +323,11 @@ def _train_arm(cfg: Config, arm: str, source):
         return plan.summary, accelerator, False
     if cuda:
         torch.cuda.reset_peak_memory_stats()  # per arm (the previous arm's state is freed)
-    a = _build_arm(cfg, arm, source, accelerator, plan, backend, config)
+    a = _build_arm(cfg, arm, data, accelerator, plan, backend, config)
     start_trackers(accelerator, cfg.name, arm, d, config)
     workers = cfg.num_workers if cfg.num_workers is not None else (2 if cuda else 0)
     loader = step_loader(
-        source,
+        data.make_micro,
         cfg,
         rank=accelerator.process_index,
         world=accelerator.num_processes,
@@ -322,10 +378,10 @@ def _finish(a: Arm, step: int, interrupted: bool) -> dict:
     return summary
 
 
-def train_arm(cfg: Config, arm: str, source=None) -> dict:
-    """Train one arm of ``cfg``; returns its summary."""
-    source = source if source is not None else build_source(cfg.data, cfg.train.seed)
-    summary, accelerator, _ = _train_arm(cfg, arm, source)
+def train_arm(cfg: Config, arm: str, data: TaskData | None = None) -> dict:
+    """Train one arm (or cell) of ``cfg``; returns its summary."""
+    data = data if data is not None else open_data(cfg)
+    summary, accelerator, _ = _train_arm(cfg.arm_config(arm), arm, data)
     return summary
 
 
@@ -335,10 +391,10 @@ def run(cfg: Config) -> dict[str, dict]:
 
     cuda = torch.cuda.is_available()
     check(cfg, PartialState(cpu=not cuda).num_processes, cuda)
-    source = build_source(cfg.data, cfg.train.seed)
+    data = open_data(cfg)
     summaries = {}
     for arm in cfg.arms():
-        summaries[arm], accelerator, stopped = _train_arm(cfg, arm, source)
+        summaries[arm], accelerator, stopped = _train_arm(cfg.arm_config(arm), arm, data)
         if stopped:
             break
     if accelerator.is_main_process:

@@ -36,6 +36,12 @@ class History:
     nonfinite_steps: list[int] = field(default_factory=list)
     wall_time_s: float = 0.0
     """Training time of every run segment that led here (resumes add up)."""
+    val_steps: list[int] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+    """Validation passes (the next-token task): after which step, mean CE over the val windows."""
+    last: dict[str, float] = field(default_factory=dict)
+    """The last logged value of the next-token task's terms: ce_loss, budget_loss, gate_mean,
+    gate_frac_binary (for the summary)."""
 
     def append(self, step: int, loss: float, grad_norm: float, max_LH) -> None:
         self.steps.append(step)
@@ -46,16 +52,24 @@ class History:
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.nonfinite_steps.append(step)
 
+    def append_val(self, step: int, loss: float) -> None:
+        self.val_steps.append(step)
+        self.val_loss.append(loss)
+
     def before(self, step: int) -> History:
         """The history of the steps before ``step``."""
         n = sum(s < step for s in self.steps)
+        n_val = sum(s < step for s in self.val_steps)
         return History(
-            self.steps[:n],
-            self.loss[:n],
-            self.grad_norm[:n],
-            self.max_logit,
-            [s for s in self.nonfinite_steps if s < step],
-            self.wall_time_s,
+            steps=self.steps[:n],
+            loss=self.loss[:n],
+            grad_norm=self.grad_norm[:n],
+            max_logit=self.max_logit,
+            nonfinite_steps=[s for s in self.nonfinite_steps if s < step],
+            wall_time_s=self.wall_time_s,
+            val_steps=self.val_steps[:n_val],
+            val_loss=self.val_loss[:n_val],
+            last=dict(self.last),
         )
 
     def to_dict(self) -> dict:

@@ -23,9 +23,11 @@ from typing import Literal
 from stabilitylab.train import checkpoint
 
 # Keys a resumed arm may change: they do not change what it trains (the arm's own backend is
-# compared as the resolved ``backend`` key; ``train.steps`` is how a run is extended).
+# compared as the resolved ``backend`` key, a cell's settings as its model keys; ``cells`` only
+# picks which cells run; ``train.steps`` is how a run is extended).
 FREE_KEYS = (
     "preset",
+    "cells",
     "out_dir",
     "resume",
     "fresh",

@@ -1,8 +1,12 @@
 """One optimizer step: forward/backward over the micro-batches, the update, the one host read.
 
-The loss is the mean over every masked token of the global batch: each micro-batch's summed
-cross-entropy is scaled by ``world / n_masked`` (DDP averages gradients over processes), so one
-process and N processes at the same global batch follow the same curve.
+The loss is the mean over every predicted token of the global batch (masked cells, or next-token
+targets): each micro-batch's summed cross-entropy is scaled by ``world / n_predicted`` (DDP
+averages gradients over processes), so one process and N processes at the same global batch
+follow the same curve. A gated model (the KV-eviction study) adds the budget term
+``budget_lambda * mean gate``, the mean over gated layers, heads and every valid position of the
+global batch: each micro-batch's ``gate_mean`` times its valid positions, scaled by ``world /
+n_valid``. ``train/loss`` is the sum of the two terms; both are returned apart too.
 
 Nothing in :func:`train_step` waits for the device. The update is skipped on the device when the
 loss or a gradient is not finite (AdamW's ``found_inf``, as GradScaler uses it), so the host reads
@@ -17,8 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from stabilitylab.data.batch import Batch
 from stabilitylab.data.loader import StepBatch
-from stabilitylab.model import masked_lm_loss_sum
+from stabilitylab.model import budget_loss, masked_lm_loss_sum, next_token_loss_sum
+from stabilitylab.probes.gates import GateSums, gate_stats, gate_sums
 from stabilitylab.telemetry import StepTelemetry, global_grad_norm
 from stabilitylab.train.build import Trainee
 
@@ -33,6 +39,13 @@ class StepOut:
     """Per-layer grad norm, parameter norm, update ratio (steps the layer monitor measures)."""
     max_LH: torch.Tensor | None
     """Max |attention logit| per layer and head over all processes (logit-monitor steps)."""
+    terms_2: torch.Tensor | None = None
+    """Next-token task: ``[mean CE, budget term]`` (the budget is 0 without gates)."""
+    gate_3L: torch.Tensor | None = None
+    """Gated models on logged steps: per gated layer the mean gate, the fraction of gates < 0.05
+    and > 0.95 (``stabilitylab.probes.gates``), over valid positions of all processes."""
+    val_2: torch.Tensor | None = None
+    """Validation steps: ``[summed CE, targets]`` over the validation batches, all processes."""
 
 
 @dataclass
@@ -44,6 +57,9 @@ class StepNumbers:
     n_tokens: float
     layer_stats_3L: list[list[float]] | None
     max_LH: list[list[float]] | None
+    terms_2: list[float] | None = None
+    gate_3L: list[list[float]] | None = None
+    val_loss: float | None = None
 
     @property
     def finite(self) -> bool:
@@ -65,6 +81,74 @@ def _loss_and_backward(t: Trainee, data: StepBatch, n_masked: torch.Tensor, tel:
     return loss_sum
 
 
+def step_gate_sums(gates: list[torch.Tensor], lengths_B: torch.Tensor) -> GateSums:
+    """``probes.gates.gate_sums`` of one forward's gates; per-head gates ``g_BHT`` count every
+    (sequence, head) as a row."""
+    if gates[0].dim() == 3:
+        H = gates[0].shape[1]
+        return gate_sums([g.flatten(0, 1) for g in gates], lengths_B.repeat_interleave(H))
+    return gate_sums(gates, lengths_B)
+
+
+def _lm_loss_and_backward(t: Trainee, data: StepBatch, counts_2: torch.Tensor, tel: StepTelemetry):
+    """Next-token task: ``(sums_2, gate sums)``, ``sums_2`` = this process's summed CE and summed
+    budget term (``budget_lambda * gate_mean * valid positions`` per micro-batch); gradients of
+    their global means accumulated. Gate sums on logged steps of a gated model, else None."""
+    want_gates = tel.logged(data.step)
+    sums_2 = torch.zeros(2, device=counts_2.device)
+    sums: GateSums | None = None
+    for i, b in enumerate(data.micro):
+        last = i == len(data.micro) - 1
+        with contextlib.nullcontext() if last else t.accelerator.no_sync(t.model):
+            logits_BTV = t.model(b.tokens_BT, b.lengths_B)
+            ce = next_token_loss_sum(logits_BTV, b.labels_BT)
+            loss = ce * (t.world / counts_2[0])
+            budget = torch.zeros((), device=counts_2.device)
+            gates = t.raw.gates
+            if gates:
+                budget = budget_loss(gates, b.lengths_B, t.budget_lambda) * b.lengths_B.sum()
+                loss = loss + budget * (t.world / counts_2[1])
+                if want_gates:
+                    part = step_gate_sums(gates, b.lengths_B)
+                    sums = part if sums is None else sums + part
+            t.accelerator.backward(loss)
+        sums_2 += torch.stack([ce.detach(), budget.detach()])
+        if tel.logit.due(data.step):
+            tel.logit.collect(t.raw)
+    return sums_2, sums
+
+
+def _gate_stats_3L(t: Trainee, sums: GateSums) -> torch.Tensor:
+    """Rows mean, frac < 0.05, frac > 0.95 per gated layer, over all processes' valid positions."""
+    if t.world > 1:
+        stacked_4L = torch.stack([sums.total_L, sums.low_L, sums.high_L, sums.count_L])
+        stacked_4L = t.accelerator.reduce(stacked_4L, reduction="sum")
+        sums = GateSums(*stacked_4L.unbind(0))
+    stats = gate_stats(sums)
+    return torch.stack([stats["mean_L"], stats["frac_low_L"], stats["frac_high_L"]]).float()
+
+
+@torch.no_grad()
+def validation_sums(t: Trainee, batches: list[Batch]) -> torch.Tensor:
+    """``[summed next-token CE, targets]`` over ``batches`` (this process's share of the fixed
+    validation batches), summed over processes. Eval mode: no dropout, so no random draw, and
+    the training trajectory is the same with or without validation."""
+    model, device = t.raw, t.accelerator.device
+    sums_2 = torch.zeros(2, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        with t.accelerator.autocast():
+            for b in batches:
+                b = b.to(device, non_blocking=True)
+                logits_BTV = model(b.tokens_BT, b.lengths_B)
+                sums_2[0] += next_token_loss_sum(logits_BTV, b.labels_BT)
+                sums_2[1] += b.n_masked
+    finally:
+        model.train(was_training)
+    return t.accelerator.reduce(sums_2, reduction="sum") if t.world > 1 else sums_2
+
+
 def train_step(
     t: Trainee, data: StepBatch, lr: float, clip_grad: float | None, tel: StepTelemetry
 ) -> StepOut:
@@ -77,13 +161,22 @@ def train_step(
     log_logits = tel.logit.due(data.step)
     if log_logits:
         tel.logit.attach(t.raw)
-    loss_sum = _loss_and_backward(t, data, counts_2[0], tel)
+    terms_2 = gate_3L = None
+    if t.task == "lm":
+        sums_2, sums = _lm_loss_and_backward(t, data, counts_2, tel)
+        sums_2 = t.accelerator.reduce(sums_2, reduction="sum")
+        terms_2 = sums_2 / counts_2
+        loss = terms_2.sum()
+        gate_3L = _gate_stats_3L(t, sums) if sums is not None else None
+    else:
+        loss_sum = _loss_and_backward(t, data, counts_2[0], tel)
     max_LH = tel.logit.detach(t.raw) if log_logits else None
     if max_LH is not None and t.world > 1:
         torch.distributed.all_reduce(max_LH, op=torch.distributed.ReduceOp.MAX)
 
     gn = global_grad_norm(t.params)
-    loss = t.accelerator.reduce(loss_sum, reduction="sum") / counts_2[0]
+    if t.task != "lm":
+        loss = t.accelerator.reduce(loss_sum, reduction="sum") / counts_2[0]
     stats_3 = torch.stack([loss.float(), gn.to(loss.device), counts_2[1]])
     t.inner_optimizer.found_inf = (~torch.isfinite(stats_3[:2]).all()).float().to(gn.device)
     if clip_grad is not None:  # reuses the norm above; no second pass
@@ -94,25 +187,39 @@ def train_step(
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
     layer_stats_3L = tel.layer.after_step(t.raw) if measure_layers else None
-    return StepOut(stats_3, layer_stats_3L, max_LH)
+    return StepOut(stats_3, layer_stats_3L, max_LH, terms_2, gate_3L)
 
 
 def read_numbers(out: StepOut) -> StepNumbers:
     """The step's one host read: every number it produced, in one transfer."""
+    optional = {
+        "layer_stats_3L": out.layer_stats_3L,
+        "max_LH": out.max_LH,
+        "terms_2": out.terms_2,
+        "gate_3L": out.gate_3L,
+        "val_2": out.val_2,
+    }
     parts = [out.stats_3]
-    for t in (out.layer_stats_3L, out.max_LH):
+    for t in optional.values():
         if t is not None:
             parts.append(t.to(out.stats_3.device, torch.float32).flatten())
     flat = torch.cat(parts).tolist()
     loss, grad_norm, n_tokens = flat[:3]
-    rest = flat[3:]
-    layer_stats = max_LH = None
-    if out.layer_stats_3L is not None:
-        n = out.layer_stats_3L.numel()
-        layer_stats, rest = _rows(rest[:n], out.layer_stats_3L.shape[1]), rest[n:]
-    if out.max_LH is not None:
-        max_LH = _rows(rest, out.max_LH.shape[1])
-    return StepNumbers(loss, grad_norm, n_tokens, layer_stats, max_LH)
+    rest, got = flat[3:], {}
+    for name, t in optional.items():
+        if t is not None:
+            n = t.numel()
+            got[name], rest = rest[:n], rest[n:]
+    matrices = ("layer_stats_3L", "max_LH", "gate_3L")
+    rows = {k: _rows(v, optional[k].shape[1]) for k, v in got.items() if k in matrices}
+    val_loss = None
+    if "val_2" in got:
+        total, count = got["val_2"]
+        val_loss = total / count if count else float("nan")
+    return StepNumbers(
+        loss, grad_norm, n_tokens, rows.get("layer_stats_3L"), rows.get("max_LH"),
+        got.get("terms_2"), rows.get("gate_3L"), val_loss,
+    )  # fmt: skip
 
 
 def _rows(flat: list[float], width: int) -> list[list[float]]:

@@ -1,0 +1,296 @@
+"""Presets of both studies: each sets every default of a run; ``--preset NAME`` picks one.
+
+    python experiments/stress_8k.py --preset smoke        # the stress study (cells, encoder)
+    python experiments/kv_eviction.py --preset tiny       # the KV-eviction study (text, decoder)
+
+A preset's docstring opens with one sentence that ``--help`` shows, then says where each choice
+comes from. Every preset is a plain function returning a fresh ``Config``; ``PRESETS`` maps the
+names ``--preset`` takes to them (the names are also ``stabilitylab.config.PRESET_NAMES``, the type
+tyro lists; checked below).
+"""
+
+from __future__ import annotations
+
+from stabilitylab.config import (
+    PRESET_NAMES,
+    Config,
+    DataConfig,
+    ModelConfig,
+    TelemetryConfig,
+    TrainConfig,
+)
+
+# ---- the stress study: paired softmax / sigmoid encoders on cells ----------------------------
+
+
+def stress_8k() -> Config:
+    """The paper's stress test (section 5.3, A.2): 160M encoder, 8K context, no clipping."""
+    return Config(preset="stress_8k", name="stress_8k")
+
+
+def smoke() -> Config:
+    """CPU-sized paired run: learns within a few hundred steps on 2 cores."""
+    return Config(
+        preset="smoke",
+        name="smoke",
+        model=ModelConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256, dropout=0.0),
+        data=DataConfig(
+            context_len=128,
+            n_genes=512,
+            n_cell_types=8,
+            n_programs=16,
+            genes_per_program=48,
+            min_genes=32,
+        ),
+        train=TrainConfig(
+            steps=300,
+            global_batch=16,
+            micro_batch=16,
+            lr=3e-3,
+            warmup_steps=30,
+            checkpoint_every=100,
+        ),
+        telemetry=TelemetryConfig(log_every=5, layer_every=25, logit_every=25),
+    )
+
+
+def proxy() -> Config:
+    """Small fast GPU model for sweeps: ~1 minute per 1,000-step run with six runs sharing one H200."""
+    return Config(
+        preset="proxy",
+        name="proxy",
+        model=ModelConfig(n_layers=4, d_model=256, n_heads=4, d_ff=1024),
+        data=DataConfig(
+            context_len=512,
+            n_genes=2048,
+            n_cell_types=32,
+            n_programs=64,
+            genes_per_program=96,
+            min_genes=64,
+        ),
+        train=TrainConfig(
+            steps=1000,
+            global_batch=32,
+            micro_batch=32,
+            lr=1e-3,
+            warmup_steps=100,
+            checkpoint_every=500,
+        ),
+        telemetry=TelemetryConfig(log_every=5, layer_every=25, logit_every=25),
+    )
+
+
+def proxy_hot() -> Config:
+    """The proxy pushed hard: lr 0.3, no warmup, init x3 (docs/RESULTS.md, "divergence hunt").
+
+    Measured on one H200 (--train.seed=1, sigmoid-reference, 1,000 steps): the *sigmoid* arm's
+    loss went from ~8 to 100-450 after step ~470 with a ~300x grad-norm jump; the softmax arm
+    stayed near 7.3.
+    """
+    cfg = proxy()
+    cfg.preset, cfg.name = "proxy_hot", "proxy_hot"
+    cfg.train.lr, cfg.train.warmup_steps, cfg.model.init_scale = 0.3, 0, 3.0
+    return cfg
+
+
+def diverge_fast() -> Config:
+    """Softmax diverges within minutes on one GPU (issue 6): the proxy made deeper and wider
+    (8 x 512, 8 heads of 64) at lr 0.1 with no weight decay. With decoupled decay, lr x wd = 0.01
+    would shrink every weight 1% per step and cap the logit growth (the paper's 1e-4 x 0.1 does
+    not); at the proxy's wd 0.1 no softmax run diverged up to lr 0.3.
+
+    Both arms run through the eager n x n references, which are reproducible bit for bit on a
+    GPU. With SDPA, softmax's backward differs in the last bits run to run, and at lr 0.1 those
+    bits decide whether a run diverges: seed 1 diverged in 3 of 6 SDPA runs, all seeds in 8 of 12
+    (docs/RESULTS.md, section 3). Eager, on the H200: seed 1 -> softmax diverges at step 665 in 3
+    of 3 runs (bit-identical curves); seed 3 at 281; seed 2 runs its 1,000 steps. Sigmoid (seeds 1-3) ran all 1,000
+    steps without the divergence rule firing; seed 3's loss blew up (``loss_blowup``).
+    """
+    cfg = proxy()
+    cfg.preset, cfg.name = "diverge_fast", "diverge_fast"
+    cfg.sigmoid_backend, cfg.softmax_backend = "sigmoid-reference", "softmax-reference"
+    m = cfg.model
+    m.n_layers, m.d_model, m.n_heads, m.d_ff = 8, 512, 8, 2048
+    cfg.train.lr, cfg.train.weight_decay, cfg.train.seed = 0.1, 0.0, 1
+    return cfg
+
+
+# ---- the KV-eviction study: 8 cells of a causal decoder on text -------------------------------
+#
+# Source: ../shared/papers/sigmoid-attention-kv-eviction.txt (the paper) gives the model shape,
+# AdamW, QK-RMSNorm before RoPE, the gates and lambda = 0.03, 3 epochs of a 1B-token split and
+# context 512. It gives no optimizer numbers; those are the GPT-3 paper's 125M settings (Brown et
+# al. 2020, Table 2.1 and Appendix B), which nanoGPT's GPT-2 (124M) reproduction also uses: peak
+# lr 6e-4, batch 0.5M tokens, betas (0.9, 0.95), eps 1e-8, weight decay 0.1, gradient clipping at
+# 1.0, linear warmup over 375M tokens. The lab's schedule has no decay after the warmup (GPT-3
+# decays with a cosine). Init std 0.02, LayerNorm eps 1e-5 and tied embeddings are GPT-2's.
+# Sigmoid cells use the lab's bias b = -log(sequence length); the paper does not state its b.
+
+
+def _kv_model(**shape) -> ModelConfig:
+    """The decoder every cell shares: the paper's per-head QK-RMSNorm before RoPE, no dropout.
+    position and gates are the first cell's; each cell sets its own (Config.arm_config)."""
+    return ModelConfig(
+        **shape, dropout=0.0, causal=True, qk_norm="rmsnorm", position="rope", gates=False
+    )
+
+
+def _adamw(**schedule) -> TrainConfig:
+    """GPT-3 125M's AdamW (betas 0.9 / 0.95, eps 1e-8, decay 0.1, clip 1.0), lambda = 0.03."""
+    return TrainConfig(
+        **schedule, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, clip_grad=1.0,
+        budget_lambda=0.03,
+    )  # fmt: skip
+
+
+def kv_paper() -> Config:
+    """KV-eviction study at the paper's scale: 8 cells of a 12 x 768 GPT-2-style decoder (123M),
+    context 512, 3B token exposures each; one H200 takes ~2 h per cell (estimate).
+
+    Model (the paper): 12 layers, 12 heads of 64, d_model 768, d_ff 3072, context 512, tied
+    embeddings, per-head QK-RMSNorm before RoPE, NoPE cells with no position vector at all, gates
+    w = 0 and b = 5 at init, lambda = 0.03. Dropout 0 (nanoGPT's choice for pretraining; the paper
+    does not say). Optimizer (GPT-3 125M, see above): AdamW, peak lr 6e-4, global batch 1,024
+    sequences of 512 = 524,288 tokens (0.5M), warmup 715 steps (375M tokens), bf16. Steps: the
+    paper's ~3B exposures / 524,288 = 5,722. Data: the lab's offline corpus (`make data`, about
+    9.5M training tokens), so 3B exposures are ~300 epochs of it where the paper ran 3 of
+    OpenWebText (--data.text=hf --data.hf_dataset=openwebtext is the paper's corpus, with the
+    memory limit data/text/build.py states). Validation every 250 steps on the whole val split.
+    """
+    return Config(
+        preset="paper",
+        name="kv_paper",
+        model=_kv_model(n_layers=12, d_model=768, n_heads=12, d_ff=3072),
+        data=DataConfig(source="text", text="corpus", context_len=512),
+        train=_adamw(
+            steps=5722,
+            global_batch=1024,
+            micro_batch=32,
+            lr=6e-4,
+            warmup_steps=715,
+            precision="bf16",
+            checkpoint_every=250,
+        ),  # fmt: skip
+        telemetry=TelemetryConfig(
+            log_every=10, layer_every=100, logit_every=100, probe_every=500, val_every=250
+        ),
+    )
+
+
+def kv_reduced() -> Config:
+    """KV-eviction study on one H200 in under 20 minutes for all 8 cells: a 6 x 384 decoder (30M),
+    context 512, 49M token exposures per cell.
+
+    Budget (estimate, to be measured): 6 x params x tokens = 6 x 30M x 32,768 = 5.9 TFLOP per
+    step; at ~20% of the H200's 989 bf16 TFLOPS that is ~30 ms, so 1,500 steps take ~45 s and a
+    cell with validation and start-up ~1 min; 8 cells ~8-11 min (the study note's 6 x 384 row:
+    ~1 min per cell, 5-11 min for 8). The paper's shape scaled down: 6 layers, 6 heads of 64
+    (the paper's head dim, so the fused kernels see the same tiles), d_model 384, d_ff 1,536 (4x,
+    as GPT-2), context 512 (the paper's), QK-RMSNorm, tied embeddings, dropout 0. Global batch 64
+    sequences = 32,768 tokens, one micro-batch; 1,500 steps = 49M exposures, ~5 epochs of the
+    corpus's ~9.5M training tokens (the paper: 3 epochs). Peak lr 1e-3 (a 30M model takes a
+    larger step than GPT-3 125M's 6e-4; nanoGPT uses 1e-3 at 10M), 100 warmup steps (3.3M
+    tokens), the rest of the optimizer as kv_paper. bf16; softmax cells through SDPA (`softmax`:
+    no compile warm-up; the gate goes in as an additive float mask), sigmoid cells through
+    sigmoid-triton (sigmoid_backend=auto). Validation every 100 steps on the whole val split
+    (~100K tokens). A job stopped at the 10-minute limit resumes from the 500-step checkpoints;
+    finished cells are skipped.
+    """
+    return Config(
+        preset="reduced",
+        name="kv_reduced",
+        model=_kv_model(n_layers=6, d_model=384, n_heads=6, d_ff=1536),
+        data=DataConfig(source="text", text="corpus", context_len=512),
+        train=_adamw(
+            steps=1500,
+            global_batch=64,
+            micro_batch=64,
+            lr=1e-3,
+            warmup_steps=100,
+            precision="bf16",
+            checkpoint_every=500,
+        ),  # fmt: skip
+        telemetry=TelemetryConfig(
+            log_every=10, layer_every=50, logit_every=50, probe_every=250, val_every=100
+        ),
+    )
+
+
+def kv_tiny() -> Config:
+    """KV-eviction study on a CPU: 8 cells of a 2 x 64 decoder on the shipped text sample, 150
+    steps each; all 8 in ~30 s on 2 cores (make kv-demo).
+
+    Data: the pre-tokenised sample in the package (1,380 training tokens, 215 validation), with
+    the compact vocabulary (data.vocab=compact: its 595 distinct GPT-2 ids, end-of-text among
+    them, renumbered) so that the head is 64 x 595 rather than 64 x 50,257, which on a CPU costs
+    ~100x the rest of the step. Model: 2 layers, 2 heads of 32, d_ff 256, context 64, the paper's
+    QK-RMSNorm and gates. Optimizer as kv_paper with lr 1e-3 and 20 warmup steps; global batch 8
+    windows; 150 steps are ~55 passes over the sample. Measured (2 CPU cores, 2026-12-02):
+    training CE 6.4 -> 2.3-2.6 in every cell, validation perplexity ~597 -> 215-265, lowest
+    (187-208) near step 75-100, after which the model starts to memorise the sample; the gates
+    move from 0.9933 (sigmoid(5)) to 0.992. Validation every 25 steps on the whole val split
+    (4 windows).
+    """
+    return Config(
+        preset="tiny",
+        name="kv_tiny",
+        model=_kv_model(n_layers=2, d_model=64, n_heads=2, d_ff=256),
+        data=DataConfig(source="text", text="sample", vocab="compact", context_len=64),
+        train=_adamw(
+            steps=150,
+            global_batch=8,
+            micro_batch=8,
+            lr=1e-3,
+            warmup_steps=20,
+            checkpoint_every=50,
+        ),  # fmt: skip
+        telemetry=TelemetryConfig(
+            log_every=5,
+            layer_every=25,
+            logit_every=25,
+            probe_every=50,
+            probe_tokens=32,
+            val_every=25,
+        ),  # fmt: skip
+    )
+
+
+STRESS_PRESETS = {
+    "stress_8k": stress_8k,
+    "smoke": smoke,
+    "proxy": proxy,
+    "proxy_hot": proxy_hot,
+    "diverge_fast": diverge_fast,
+}
+KV_PRESETS = {"tiny": kv_tiny, "reduced": kv_reduced, "paper": kv_paper}
+PRESETS = {**STRESS_PRESETS, **KV_PRESETS}
+if tuple(PRESETS) != PRESET_NAMES:  # the Literal tyro shows must name exactly these
+    raise RuntimeError(
+        f"stabilitylab.config.PRESET_NAMES {PRESET_NAMES} != the presets {tuple(PRESETS)}"
+    )
+CPU_PRESETS = ("smoke", "tiny")
+"""Presets sized for a CPU; the others refuse to start without CUDA unless allow_cpu=True."""
+
+
+def preset_summary(name: str) -> str:
+    """The first sentence of a preset's docstring, on one line."""
+    doc = " ".join((PRESETS[name].__doc__ or "").split("\n\n")[0].split())
+    end = doc.find(". ")
+    return doc if end < 0 else doc[: end + 1]
+
+
+__all__ = [
+    "CPU_PRESETS",
+    "KV_PRESETS",
+    "PRESETS",
+    "STRESS_PRESETS",
+    "diverge_fast",
+    "kv_paper",
+    "kv_reduced",
+    "kv_tiny",
+    "preset_summary",
+    "proxy",
+    "proxy_hot",
+    "smoke",
+    "stress_8k",
+]
