@@ -1,18 +1,18 @@
-"""Sigmoid attention in Triton: forward with fused max|logit|, dQ and dK/dV kernels, padding-aware.
+"""Sigmoid attention in Triton: forward (fused max|logit|), dQ, dK/dV; padding, causal, key bias.
 
-    out_BHTD = sigmoid(scale q k^T + b) v   over valid keys j < L_b; padded query rows are 0
-    b = -log(L_b) per sequence (bias=None) or the float given; scale = 1/sqrt(D) by default
-    max_BH = max over valid (i, j) of scale |q_i . k_j| (no bias), float32; NaN if any score is NaN
-    backward, P = sigmoid(S): dV = P^T dO, dP = dO V^T, dS = P (1 - P) dP,
-              dQ = scale dS K, dK = scale dS^T Q
+    out_i = sum_{j visible} sigmoid(scale q_i . k_j + b + kb_j) v_j; padded query rows are 0
+    visible: j < L_b, and j <= i if causal; b = -log(L_b) (bias=None) or the float given; kb an
+    optional per-key bias (B, H, T), a gate's log(g + eps); max_BH = max over visible pairs of
+    scale |q_i . k_j|, no bias of either kind, float32, NaN if any such score is NaN
+    backward, P = sigmoid(S): dV = P^T dO, dP = dO V^T, dS = P (1 - P) dP, dQ = scale dS K,
+    dK = scale dS^T Q, d kb_j = sum_i dS_ij (per head)
 
-Layout: q/k/v_BHTD with any (b, h, t) strides and unit stride along D; lengths_B int32/int64, right
-padding; reference: kernels/reference.py. Padded rows load as zeros and drop out of every product;
-loops stop at the last valid tile, so work scales with sum(L^2), not B T^2. The backward recomputes
-S per tile (a sigmoid needs no row statistics): dQ over query tiles, dK/dV over key tiles, no
-atomics. Unpadded 16-bit batches at head dim 128 run the kernels of sigmoid_attention_dense.py.
-Limits: head dim 64 or 128; bf16, fp16, fp32 (for tests); on CPU only in Triton's interpreter
-(TRITON_INTERPRET=1), which runs the exact sigmoid. Measured choices: docs/BENCHMARKS.md.
+Layout: q/k/v_BHTD, any (b, h, t) strides, unit stride along D; lengths_B, right padding; maths:
+kernels/reference.py. Loops end at the last valid tile (work ~ sum L^2) and, if causal, at the
+diagonal; only tiles across it are masked. The backward recomputes S per tile: dQ over query tiles,
+dK/dV and d kb over key tiles, no atomics. Unpadded 16-bit batches at head dim 128: the kernels of
+sigmoid_attention_dense.py. Limits: head dim 64 or 128; bf16, fp16, fp32 (tests); on CPU only in
+Triton's interpreter (exact sigmoid). Measured choices: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from stabilitylab.kernels.triton_support import (
     capability,
     cdiv,
     check_attention_inputs,
+    check_key_bias,
     check_lengths_at_launch,
     interpreted,
     interpreting,
@@ -47,6 +48,9 @@ from stabilitylab.kernels.triton_support import (
 # packed tanh.approx.bf16x2 is not used: near x = -log n, where most scores sit, 0.5 + 0.5 t in
 # bf16 leaves p no significant bits (max abs error 0.17 vs 0.004, docs/LOG.md).
 EXACT, TANH_F32 = 0, 1
+# The tile helpers' LOADS for the dense kernels' rank-4 descriptors built on the host; the general
+# kernels pass their TMA flag (False: masked pointer loads, True: descriptors built per (b, h)).
+HOST_TMA = tl.constexpr(2)
 
 # ---- tile helpers (inlined into the kernels here and in sigmoid_attention_dense.py) -----------
 
@@ -85,9 +89,34 @@ def score_affine(L, scale, bias, LOG_BIAS: tl.constexpr, SIGMOID: tl.constexpr):
 
 
 @triton.jit
+def key_affine(c_s, kb_base, keys, L, HAS_KEY_BIAS: tl.constexpr, SIGMOID: tl.constexpr):
+    """The additive part of the sigmoid's argument for the keys ``keys`` (indices shaped as the
+    score tile's key axis, (1, n) or (n, 1)): ``c_s`` plus their bias, halved in tanh mode as c_s
+    is; padded keys read 0. Without a key bias, the scalar ``c_s``."""
+    if HAS_KEY_BIAS:
+        kb = tl.load(kb_base + keys, mask=keys < L, other=0.0)
+        if SIGMOID == 0:
+            c = c_s + kb
+        else:
+            c = c_s + 0.5 * kb
+    else:
+        c = c_s
+    return c
+
+
+@triton.jit
 def ds_scale(scale, SIGMOID: tl.constexpr):
     """The factor on dQ and dK: ``scale``, and the 1/4 of p (1 - p) = (1 - t^2) / 4 in tanh mode."""
     return scale if SIGMOID == 0 else 0.25 * scale
+
+
+@triton.jit
+def hide_future(x, q_idx, k_idx, fill, MASK: tl.constexpr):
+    """``x`` where key ``k_idx`` is visible to query ``q_idx`` (k <= q), else ``fill``; unchanged
+    unless ``MASK`` (set for the causal tiles that straddle the diagonal, and only those)."""
+    if MASK:
+        x = tl.where(k_idx <= q_idx, x, fill)
+    return x
 
 
 @triton.jit
@@ -99,50 +128,170 @@ def load_rows(base, rows, stride, L, offs_d):
 
 
 @triton.jit
+def load_tile(src, b, h, start, rows, stride, L, offs_d, LOADS: tl.constexpr):
+    """Rows ``rows`` (= start + arange) of head (b, h) from ``src``: the head's base pointer (LOADS
+    False), its descriptor (True) or the whole tensor's (HOST_TMA). Rows past the valid ones read
+    as zeros on every path."""
+    if LOADS == HOST_TMA:
+        tile = src.load([b, h, start, 0]).reshape(rows.shape[0], offs_d.shape[0])
+    elif LOADS:
+        tile = src.load([start, 0])
+    else:
+        tile = load_rows(src, rows, stride, L, offs_d)
+    return tile
+
+
+@triton.jit
+def causal_key_split(start_m, L, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(diag, end)`` for query tile ``start_m``: key tiles [0, diag) lie below the diagonal (all
+    visible), [diag, end) straddle it (masked), those from ``end`` lie above it (never visited)."""
+    return start_m // BLOCK_N * BLOCK_N, tl.minimum(start_m + BLOCK_M, L)
+
+
+@triton.jit
+def causal_query_split(start_n, L, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(lo, diag_end)`` for key tile ``start_n``: query tiles before ``lo`` see none of its keys
+    (never visited), [lo, diag_end) straddle the diagonal (masked), the rest see all of them."""
+    lo = start_n // BLOCK_M * BLOCK_M
+    return lo, tl.minimum(tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M, L)
+
+
+@triton.jit
+def tile_order(pid, n, CAUSAL: tl.constexpr):
+    """Program ``pid``'s tile of ``n``: under causal masking the query tiles with the most keys
+    first, so that the last wave of programs is a short one."""
+    if CAUSAL:
+        pid = n - 1 - pid
+    return pid
+
+
+@triton.jit
 def accumulate_pv(
-    acc, mx_bits, s, v, a_s, c_s,
-    SIGMOID: tl.constexpr, RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    acc, mx_bits, s, v, a_s, c, q_idx, k_idx,
+    MASK: tl.constexpr, SIGMOID: tl.constexpr, RETURN_MAX: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One key tile of the forward: ``acc += sigmoid(a s + c) v`` and the running max |s|."""
+    """One key tile of the forward: ``acc += sigmoid(a s + c) v`` and the running max |s| over
+    visible pairs (``hide_future``)."""
     if RETURN_MAX:
-        mx_bits = max_abs_bits(mx_bits, s)
-    x = s * a_s + c_s
+        mx_bits = max_abs_bits(mx_bits, hide_future(s, q_idx, k_idx, 0.0, MASK))
+    x = s * a_s + c
     if SIGMOID == 0:
         p = 1.0 / (1.0 + tl.exp(-x))
     else:
         p = 0.5 * tanh_approx(x) + 0.5
+    p = hide_future(p, q_idx, k_idx, 0.0, MASK)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, mx_bits
 
 
 @triton.jit
 def p_and_ds(
-    s_rows, s_cols, dp_rows, dp_cols, a_s, c_s,
-    SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    s_rows, s_cols, dp_rows, dp_cols, a_s, c, q_idx, k_idx,
+    MASK: tl.constexpr, SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The backward's recompute of one tile pair, shared by the dQ kernel (q, k, dO, v) and the
     dK/dV kernel (k, q, v, dO, the transposed tile): ``(p, ds)`` in float32 from
     S = s_rows s_cols^T and dP = dp_rows dp_cols^T. dP needs no P: it is issued first, so its
     wgmma runs while the MUFU evaluates the sigmoid. In tanh mode ds = (1 - t^2) dP = 4 p (1 - p) dP
     (``ds_scale`` holds the 1/4), so a kernel that needs no p never forms it. Padded rows on
-    either side are zero in dp_rows or dp_cols, hence their ds is zero: no mask needed."""
+    either side are zero in dp_rows or dp_cols, hence their ds is zero; a hidden pair gets p = 0
+    (t = -1), hence ds = 0: one select serves both."""
     dp = tl.dot(dp_rows, tl.trans(dp_cols), input_precision=DOT_PRECISION)
     s = tl.dot(s_rows, tl.trans(s_cols), input_precision=DOT_PRECISION)
-    x = s * a_s + c_s
+    x = s * a_s + c
     if SIGMOID == 0:
-        p = 1.0 / (1.0 + tl.exp(-x))
+        p = hide_future(1.0 / (1.0 + tl.exp(-x)), q_idx, k_idx, 0.0, MASK)
         ds = (p - p * p) * dp
     else:
-        t = tanh_approx(x)
+        t = hide_future(tanh_approx(x), q_idx, k_idx, -1.0, MASK)
         p = 0.5 * t + 0.5
         ds = (1.0 - t * t) * dp
     return p, ds
 
 
+# ---- tile loops (one call per stretch of tiles: the causal diagonal's with MASK) ---------------
+
+
+@triton.jit
+def fwd_key_tiles(
+    acc, mx_bits, qk, q, k_src, v_src, kb_base, b, h, lo, hi, offs_m, offs_n, offs_d, skt, svt, L,
+    a_s, c_s,
+    MASK: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
+    RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Key tiles [lo, hi) of a forward query tile; ``qk`` holds tile lo's scores on entry and
+    tile hi's on exit. The scores of key tile j+1 (an asynchronous wgmma on Hopper) are issued
+    before the sigmoid of tile j, so the MUFU works while the tensor cores do: per score the two
+    products cost 4 D flops (~990 TFLOPS dense bf16 on an H200) and the sigmoid one MUFU op
+    (~3.9 T/s), about as long at D = 64. The tile past the last valid key reads zeros; its scores
+    are discarded."""
+    for start_n in range(lo, hi, BLOCK_N):
+        rows_k = start_n + BLOCK_N + offs_n
+        keys = start_n + offs_n
+        k = load_tile(k_src, b, h, start_n + BLOCK_N, rows_k, skt, L, offs_d, LOADS)
+        v = load_tile(v_src, b, h, start_n, keys, svt, L, offs_d, LOADS)
+        keys = keys[None, :]
+        c = key_affine(c_s, kb_base, keys, L, HAS_KEY_BIAS, SIGMOID)
+        qk_now = qk
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        acc, mx_bits = accumulate_pv(
+            acc, mx_bits, qk_now, v, a_s, c, offs_m[:, None], keys,
+            MASK, SIGMOID, RETURN_MAX, DOT_PRECISION,
+        )  # fmt: skip
+    return acc, mx_bits, qk
+
+
+@triton.jit
+def dq_key_tiles(
+    dq, q, do, k_src, v_src, kb_base, b, h, lo, hi, offs_m, offs_n, offs_d, skt, svt, L, a_s, c_s,
+    MASK: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Key tiles [lo, hi) of a dQ query tile: ``dq += dS K`` (unscaled)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n
+        k = load_tile(k_src, b, h, start_n, keys, skt, L, offs_d, LOADS)
+        v = load_tile(v_src, b, h, start_n, keys, svt, L, offs_d, LOADS)
+        keys = keys[None, :]
+        c = key_affine(c_s, kb_base, keys, L, HAS_KEY_BIAS, SIGMOID)
+        _, ds = p_and_ds(q, k, do, v, a_s, c, offs_m[:, None], keys, MASK, SIGMOID, DOT_PRECISION)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def dkdv_query_tiles(
+    dk, dv, dkb, k, v, q_src, do_src, b, h, lo, hi, offs_n, offs_m, offs_d, sqt, sdot, L, a_s, c,
+    MASK: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """Query tiles [lo, hi) of a dK/dV key tile (keys ``offs_n``): ``dv += P^T dO``,
+    ``dk += dS^T Q`` (unscaled) and, with a key bias, ``dkb += dS^T 1`` (its row sums: each key's
+    gradient, reduced here in a fixed order instead of by atomics)."""
+    for start_m in range(lo, hi, BLOCK_M):
+        queries = start_m + offs_m
+        q = load_tile(q_src, b, h, start_m, queries, sqt, L, offs_d, LOADS)
+        do = load_tile(do_src, b, h, start_m, queries, sdot, L, offs_d, LOADS)
+        # Transposed tiles (keys x queries), so P^T and dS^T feed the dots without a transpose.
+        p_t, ds_t = p_and_ds(
+            k, q, v, do, a_s, c, queries[None, :], offs_n[:, None],
+            MASK, SIGMOID, DOT_PRECISION,
+        )  # fmt: skip
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        if HAS_KEY_BIAS:
+            dkb += tl.sum(ds_t, axis=1)
+    return dk, dv, dkb
+
+
 # ---- kernels -----------------------------------------------------------------------------------
 # One program per (query or key tile, b * h). TMA (a constexpr) reads tiles through one tensor
 # descriptor per (b, h) over the L_b valid rows, which the hardware zero-fills past L_b; else
-# masked pointer loads. A tile wholly in padding skips its loop and writes zeros.
+# masked pointer loads. A tile wholly in padding skips its loops and writes zeros. The key bias
+# (KB, strides skbb / skbh, unit stride along T) and CAUSAL are trailing arguments with neutral
+# defaults: without them each kernel compiles as it would without those features.
 
 
 @triton.jit
@@ -153,8 +302,10 @@ def _sigmoid_fwd_kernel(
     HEAD_DIM: tl.constexpr, LOG_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
     RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     A_REGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    KB=None, skbb=None, skbh=None,
+    CAUSAL: tl.constexpr = False, HAS_KEY_BIAS: tl.constexpr = False,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
+    pid_m = tile_order(tl.program_id(0), tl.num_programs(0), CAUSAL)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
@@ -167,6 +318,7 @@ def _sigmoid_fwd_kernel(
     v_base = V + b64 * svb + h * svh
     o_base = Out + b64 * sob + h * soh
     mx_base = MX + pid_bh.to(tl.int64) * mx_stride
+    kb_base = KB + b64 * skbb + h * skbh if HAS_KEY_BIAS else KB
     a_s, c_s = score_affine(L, scale, bias, LOG_BIAS, SIGMOID)
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -177,41 +329,35 @@ def _sigmoid_fwd_kernel(
             q_desc = tl.make_tensor_descriptor(
                 q_base, shape=[L, HEAD_DIM], strides=[sqt, 1], block_shape=[BLOCK_M, HEAD_DIM]
             )
-            k_desc = tl.make_tensor_descriptor(
+            k_src = tl.make_tensor_descriptor(
                 k_base, shape=[L, HEAD_DIM], strides=[skt, 1], block_shape=[BLOCK_N, HEAD_DIM]
             )
-            v_desc = tl.make_tensor_descriptor(
+            v_src = tl.make_tensor_descriptor(
                 v_base, shape=[L, HEAD_DIM], strides=[svt, 1], block_shape=[BLOCK_N, HEAD_DIM]
             )
             q = q_desc.load([start_m, 0])
         else:
+            k_src, v_src = k_base, v_base
             q = load_rows(q_base, offs_m, sqt, L, offs_d)
         if A_REGS:
             q = in_registers(q)
-        if TMA:  # the scores of the first key tile, ahead of the loop
-            k0 = k_desc.load([0, 0])
-        else:
-            k0 = load_rows(k_base, offs_n, skt, L, offs_d)
+        k0 = load_tile(k_src, b, h, 0, offs_n, skt, L, offs_d, TMA)  # ahead of the loop
         qk = tl.dot(q, tl.trans(k0), input_precision=DOT_PRECISION)
-        for start_n in range(0, L, BLOCK_N):
-            # The scores of key tile j+1 (an asynchronous wgmma on Hopper) are issued before the
-            # sigmoid of tile j, so the MUFU works while the tensor cores do: per score the two
-            # products cost 4 D flops (~990 TFLOPS dense bf16 on an H200) and the sigmoid one
-            # MUFU op (~3.9 T/s), about as long at D = 64. The tile past the last valid key
-            # reads zeros; its scores are discarded.
-            if TMA:
-                k = k_desc.load([start_n + BLOCK_N, 0])
-                v = v_desc.load([start_n, 0])
-            else:
-                rows_k = start_n + BLOCK_N + offs_n
-                rows_v = start_n + offs_n
-                k = load_rows(k_base, rows_k, skt, L, offs_d)
-                v = load_rows(v_base, rows_v, svt, L, offs_d)
-            qk_now = qk
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            acc, mx_bits = accumulate_pv(
-                acc, mx_bits, qk_now, v, a_s, c_s, SIGMOID, RETURN_MAX, DOT_PRECISION
-            )
+        if CAUSAL:
+            diag, end = causal_key_split(start_m, L, BLOCK_M, BLOCK_N)
+        else:
+            diag = L
+        acc, mx_bits, qk = fwd_key_tiles(
+            acc, mx_bits, qk, q, k_src, v_src, kb_base, b, h, 0, diag, offs_m, offs_n, offs_d,
+            skt, svt, L, a_s, c_s, False, HAS_KEY_BIAS, SIGMOID, RETURN_MAX, DOT_PRECISION, TMA,
+            BLOCK_N,
+        )  # fmt: skip
+        if CAUSAL:
+            acc, mx_bits, qk = fwd_key_tiles(
+                acc, mx_bits, qk, q, k_src, v_src, kb_base, b, h, diag, end, offs_m, offs_n,
+                offs_d, skt, svt, L, a_s, c_s, True, HAS_KEY_BIAS, SIGMOID, RETURN_MAX,
+                DOT_PRECISION, TMA, BLOCK_N,
+            )  # fmt: skip
     # Padded query rows saw q = 0, so acc holds sigmoid(b) * sum(v) there: zero them.
     acc = tl.where(offs_m[:, None] < L, acc, 0.0)
     tl.store(o_base + offs_m[:, None] * sot + offs_d[None, :],
@@ -233,8 +379,10 @@ def _sigmoid_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, LOG_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    KB=None, skbb=None, skbh=None,
+    CAUSAL: tl.constexpr = False, HAS_KEY_BIAS: tl.constexpr = False,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
+    pid_m = tile_order(tl.program_id(0), tl.num_programs(0), CAUSAL)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
@@ -248,27 +396,34 @@ def _sigmoid_bwd_dq_kernel(
     do_base = DO + b64 * sdob + h * sdoh
     k_base = K + b64 * skb + h * skh
     v_base = V + b64 * svb + h * svh
+    kb_base = KB + b64 * skbb + h * skbh if HAS_KEY_BIAS else KB
     a_s, c_s = score_affine(L, scale, bias, LOG_BIAS, SIGMOID)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     if start_m < L:
         if TMA:
-            k_desc = tl.make_tensor_descriptor(
+            k_src = tl.make_tensor_descriptor(
                 k_base, shape=[L, HEAD_DIM], strides=[skt, 1], block_shape=[BLOCK_N, HEAD_DIM]
             )
-            v_desc = tl.make_tensor_descriptor(
+            v_src = tl.make_tensor_descriptor(
                 v_base, shape=[L, HEAD_DIM], strides=[svt, 1], block_shape=[BLOCK_N, HEAD_DIM]
             )
+        else:
+            k_src, v_src = k_base, v_base
         q = load_rows(q_base, offs_m, sqt, L, offs_d)
         do = load_rows(do_base, offs_m, sdot, L, offs_d)
-        for start_n in range(0, L, BLOCK_N):
-            if TMA:
-                k = k_desc.load([start_n, 0])
-                v = v_desc.load([start_n, 0])
-            else:
-                k = load_rows(k_base, start_n + offs_n, skt, L, offs_d)
-                v = load_rows(v_base, start_n + offs_n, svt, L, offs_d)
-            _, ds = p_and_ds(q, k, do, v, a_s, c_s, SIGMOID, DOT_PRECISION)
-            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        if CAUSAL:
+            diag, end = causal_key_split(start_m, L, BLOCK_M, BLOCK_N)
+        else:
+            diag = L
+        dq = dq_key_tiles(
+            dq, q, do, k_src, v_src, kb_base, b, h, 0, diag, offs_m, offs_n, offs_d, skt, svt, L,
+            a_s, c_s, False, HAS_KEY_BIAS, SIGMOID, DOT_PRECISION, TMA, BLOCK_N,
+        )  # fmt: skip
+        if CAUSAL:
+            dq = dq_key_tiles(
+                dq, q, do, k_src, v_src, kb_base, b, h, diag, end, offs_m, offs_n, offs_d, skt,
+                svt, L, a_s, c_s, True, HAS_KEY_BIAS, SIGMOID, DOT_PRECISION, TMA, BLOCK_N,
+            )  # fmt: skip
     # Padded query rows have dO = 0, hence dQ = 0 already.
     dq_scale = ds_scale(scale, SIGMOID)
     tl.store(
@@ -286,8 +441,11 @@ def _sigmoid_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, LOG_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    KB=None, skbb=None, skbh=None, DKB=None,
+    CAUSAL: tl.constexpr = False, HAS_KEY_BIAS: tl.constexpr = False,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
+    """``DKB``: the key bias's gradient per head, a contiguous (B, H, T) float32 buffer."""
+    pid_n = tl.program_id(0)  # natural order is heaviest first under causal masking too
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
@@ -301,31 +459,38 @@ def _sigmoid_bwd_dkdv_kernel(
     do_base = DO + b64 * sdob + h * sdoh
     k_base = K + b64 * skb + h * skh
     v_base = V + b64 * svb + h * svh
+    kb_base = KB + b64 * skbb + h * skbh if HAS_KEY_BIAS else KB
     a_s, c_s = score_affine(L, scale, bias, LOG_BIAS, SIGMOID)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    dkb = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if start_n < L:
         if TMA:
-            q_desc = tl.make_tensor_descriptor(
+            q_src = tl.make_tensor_descriptor(
                 q_base, shape=[L, HEAD_DIM], strides=[sqt, 1], block_shape=[BLOCK_M, HEAD_DIM]
             )
-            do_desc = tl.make_tensor_descriptor(
+            do_src = tl.make_tensor_descriptor(
                 do_base, shape=[L, HEAD_DIM], strides=[sdot, 1], block_shape=[BLOCK_M, HEAD_DIM]
             )
+        else:
+            q_src, do_src = q_base, do_base
         k = load_rows(k_base, offs_n, skt, L, offs_d)
         v = load_rows(v_base, offs_n, svt, L, offs_d)
-        for start_m in range(0, L, BLOCK_M):
-            if TMA:
-                q = q_desc.load([start_m, 0])
-                do = do_desc.load([start_m, 0])
-            else:
-                q = load_rows(q_base, start_m + offs_m, sqt, L, offs_d)
-                do = load_rows(do_base, start_m + offs_m, sdot, L, offs_d)
-            # Transposed tiles (keys x queries), so P^T and dS^T feed the dots without a transpose.
-            p_t, ds_t = p_and_ds(k, q, v, do, a_s, c_s, SIGMOID, DOT_PRECISION)
-            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-    # Padded key rows saw k = 0 (and v = 0): zero their dK and dV on the way out.
+        c = key_affine(c_s, kb_base, offs_n[:, None], L, HAS_KEY_BIAS, SIGMOID)
+        if CAUSAL:
+            lo, diag_end = causal_query_split(start_n, L, BLOCK_M, BLOCK_N)
+            dk, dv, dkb = dkdv_query_tiles(
+                dk, dv, dkb, k, v, q_src, do_src, b, h, lo, diag_end, offs_n, offs_m, offs_d,
+                sqt, sdot, L, a_s, c, True, HAS_KEY_BIAS, SIGMOID, DOT_PRECISION, TMA, BLOCK_M,
+            )  # fmt: skip
+        else:
+            diag_end = 0
+        dk, dv, dkb = dkdv_query_tiles(
+            dk, dv, dkb, k, v, q_src, do_src, b, h, diag_end, L, offs_n, offs_m, offs_d, sqt,
+            sdot, L, a_s, c, False, HAS_KEY_BIAS, SIGMOID, DOT_PRECISION, TMA, BLOCK_M,
+        )  # fmt: skip
+    # Padded key rows saw k = 0 (and v = 0): zero their dK and dV on the way out. Their dS is zero
+    # (dP = dO v^T = 0), so their key-bias gradient is too.
     dk_scale = ds_scale(scale, SIGMOID)
     valid = offs_n[:, None] < L
     in_range = offs_n[:, None] < T
@@ -337,6 +502,9 @@ def _sigmoid_bwd_dkdv_kernel(
         DV + b64 * sdvb + h * sdvh + offs_n[:, None] * sdvt + offs_d[None, :],
         tl.where(valid, dv, 0.0).to(DV.dtype.element_ty), mask=in_range,
     )  # fmt: skip
+    if HAS_KEY_BIAS:
+        dkb_base = DKB + pid_bh.to(tl.int64) * T
+        tl.store(dkb_base + offs_n, dkb * ds_scale(1.0, SIGMOID), mask=offs_n < T)
 
 
 # ---- launch configs and choices ----------------------------------------------------------------
@@ -444,7 +612,7 @@ def use_dense(lengths: torch.Tensor, *tensors: torch.Tensor) -> bool:
 
 _TUNED: dict[tuple, Tuned] = {}
 # The constexprs that select a kernel's code path: with the T bucket and head dim, its autotune key.
-_KEY_LEVERS = ("TMA", "SIGMOID", "A_REGS")
+_KEY_LEVERS = ("TMA", "SIGMOID", "A_REGS", "CAUSAL", "HAS_KEY_BIAS")
 
 
 @functools.cache
@@ -456,9 +624,9 @@ def _dense():
 
 def _launch(kernel, kind: str, q: torch.Tensor, grid, args: tuple, kwargs: dict, dense=False):
     """Launch ``kernel``: interpreted with one config, or autotuned per architecture, Triton
-    specialisation of ``args`` (``specialization``) and key (T bucket, head dim, the path's
-    constexprs, dtype), then launched straight with the config chosen. ``dense``: a kernel that
-    takes host-built descriptors, whose blocks each config sets."""
+    specialisation of ``args`` and of the key bias (``specialization``) and key (T bucket, head
+    dim, the path's constexprs, dtype), then launched straight with the config chosen. ``dense``:
+    a kernel that takes host-built descriptors, whose blocks each config sets."""
     if interpreting():
         if dense:
             _dense().set_blocks({**kwargs, **INTERPRETER_BLOCKS})
@@ -466,7 +634,8 @@ def _launch(kernel, kind: str, q: torch.Tensor, grid, args: tuple, kwargs: dict,
         return
     cap, fp32 = capability(q.device), q.dtype == torch.float32
     levers = [name for name in _KEY_LEVERS if name in kwargs]
-    which = (kernel, cap, fp32, specialization(*args))
+    bias_spec = specialization(kwargs.get("KB"), kwargs.get("skbb"), kwargs.get("skbh"))
+    which = (kernel, cap, fp32, specialization(*args), bias_spec)
     tuned = _TUNED.get(which)
     if tuned is None:
         tuned = _TUNED[which] = Tuned(
@@ -485,6 +654,15 @@ def _common_args(D: int, dtype: torch.dtype, log_bias: bool, sigmoid: int) -> di
         "SIGMOID": EXACT if interpreting() else sigmoid,
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
     }
+
+
+def _mask_and_bias_args(causal: bool, key_bias: torch.Tensor | None) -> dict:
+    """The kernels' trailing arguments: CAUSAL, and the key bias (a (B, H, T) float32 tensor with
+    unit stride along T, ``key_bias_view``) with its (b, h) strides when there is one."""
+    if key_bias is None:
+        return {"CAUSAL": causal, "HAS_KEY_BIAS": False}
+    sb, sh = key_bias.stride()[:2]
+    return {"CAUSAL": causal, "HAS_KEY_BIAS": True, "KB": key_bias, "skbb": sb, "skbh": sh}
 
 
 def _kernel_args(strided: tuple, extra: tuple, lengths, H: int, T: int, *tail) -> tuple:
@@ -526,7 +704,8 @@ def _max_buffer(q: torch.Tensor, return_max: bool) -> tuple[torch.Tensor, int]:
     return torch.zeros(B * H, n_mx, dtype=torch.float32, device=q.device), n_mx
 
 
-def _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma):
+def _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma,
+             causal=False, key_bias=None):  # fmt: skip
     """The general forward on inputs with unit stride along D; ``tma`` already checked
     (``tma_ok``)."""
     B, H, T, D = q.shape
@@ -541,13 +720,15 @@ def _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma):
         "TMA": tma,
         "A_REGS": use_a_regs(q, tma) and not interpreting(),
         **_common_args(D, q.dtype, log_bias, sigmoid),
+        **_mask_and_bias_args(causal, key_bias),
     }
     _launch(_sigmoid_fwd_kernel, "fwd", q, grid, args, kwargs)
     max_bh = mx.amax(dim=1).view(B, H) if return_max else mx.new_empty(0)
     return out, max_bh
 
 
-def _forward_dense(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max):
+def _forward_dense(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max,
+                   causal=False, key_bias=None):  # fmt: skip
     """The forward of an unpadded batch: descriptors built here, once per call; persistent, at most
     one program per SM looping over query tiles, and no more programs than the same number of
     rounds needs (``persistent_grid``)."""
@@ -562,38 +743,49 @@ def _forward_dense(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max)
         "A_REGS": use_a_regs(q, True) and not interpreting(),
         **dense.descriptors(Q=q, K=k, V=v),
         **_common_args(D, q.dtype, log_bias, sigmoid),
+        **_mask_and_bias_args(causal, key_bias),
     }
     _launch(dense._sigmoid_fwd_dense_kernel, "fwd", q, grid, args, kwargs, dense=True)
     max_bh = mx.amax(dim=1).view(B, H) if return_max else mx.new_empty(0)
     return out, max_bh
 
 
-def _backward(do, q, k, v, lengths, scale, bias, log_bias, sigmoid, tma):
-    """The general dQ and dK/dV kernels: ``(dq, dk, dv)``. The dQ kernel is launched before dK and
-    dV are even allocated: host time ahead of the first launch is GPU idle time."""
+def _backward(do, q, k, v, lengths, scale, bias, log_bias, sigmoid, tma,
+              causal=False, key_bias=None, dkb=None):  # fmt: skip
+    """The general dQ and dK/dV kernels: ``(dq, dk, dv)``, and the key bias's gradient per head
+    written into ``dkb`` (a contiguous (B, H, T) float32 buffer) when there is a key bias. The dQ
+    kernel is launched before dK and dV are even allocated: host time ahead of the first launch
+    is GPU idle time."""
     B, H, T, D = q.shape
     if tma and not interpreting():
         triton.set_allocator(_device_allocator)
     dq = _empty_bthd_as_bhtd(q)
-    kwargs = {"TMA": tma, **_common_args(D, q.dtype, log_bias, sigmoid)}
+    kwargs = {
+        "TMA": tma,
+        **_common_args(D, q.dtype, log_bias, sigmoid),
+        **_mask_and_bias_args(causal, key_bias),
+    }
     args = _kernel_args((q, k, v, do, dq), (), lengths, H, T, scale, bias)
     grid = lambda meta: (cdiv(T, meta["BLOCK_M"]), B * H)
     _launch(_sigmoid_bwd_dq_kernel, "dq", q, grid, args, kwargs)
     dk, dv = _empty_bthd_as_bhtd(k), _empty_bthd_as_bhtd(v)
     args = _kernel_args((q, k, v, do, dk, dv), (), lengths, H, T, scale, bias)
     grid = lambda meta: (cdiv(T, meta["BLOCK_N"]), B * H)
-    _launch(_sigmoid_bwd_dkdv_kernel, "dkdv", q, grid, args, kwargs)
+    dkb_arg = {} if key_bias is None else {"DKB": dkb}
+    _launch(_sigmoid_bwd_dkdv_kernel, "dkdv", q, grid, args, {**kwargs, **dkb_arg})
     return dq, dk, dv
 
 
-def _backward_dense(do, q, k, v, lengths, scale, bias, log_bias, sigmoid):
-    """The dQ and dK/dV kernels of an unpadded batch: ``(dq, dk, dv)``."""
+def _backward_dense(do, q, k, v, lengths, scale, bias, log_bias, sigmoid,
+                    causal=False, key_bias=None, dkb=None):  # fmt: skip
+    """The dQ and dK/dV kernels of an unpadded batch: ``(dq, dk, dv)``; ``dkb`` as ``_backward``."""
     dense = _dense()
     B, H, T, D = q.shape
     # The same descriptors for both: each launch sets the blocks its config's pre-hook asks for.
     kwargs = {
         **_common_args(D, q.dtype, log_bias, sigmoid),
         **dense.descriptors(Q=q, K=k, V=v, DO=do),
+        **_mask_and_bias_args(causal, key_bias),
     }
     dq = _empty_bthd_as_bhtd(q)
     args = (dq, lengths, *dq.stride()[:3], H, T, seq_bucket(T), scale, bias)
@@ -602,36 +794,50 @@ def _backward_dense(do, q, k, v, lengths, scale, bias, log_bias, sigmoid):
     dk, dv = _empty_bthd_as_bhtd(k), _empty_bthd_as_bhtd(v)
     args = (dk, dv, lengths, *dk.stride()[:3], *dv.stride()[:3], H, T, seq_bucket(T), scale, bias)
     grid = lambda meta: (cdiv(T, meta["BLOCK_N"]), B * H)
-    _launch(dense._sigmoid_bwd_dkdv_dense_kernel, "dkdv", q, grid, args, kwargs, dense=True)
+    dkb_arg = {} if key_bias is None else {"DKB": dkb}
+    kernel = dense._sigmoid_bwd_dkdv_dense_kernel
+    _launch(kernel, "dkdv", q, grid, args, {**kwargs, **dkb_arg}, dense=True)
     return dq, dk, dv
 
 
-def forward_auto(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max):
+def forward_auto(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max,
+                 causal=False, key_bias=None):  # fmt: skip
     """The forward with the op's choices: an unpadded batch in the fast sigmoid mode to the dense
     kernel (``use_dense``), else the general kernel with TMA loads where ``use_tma``. The exact
     sigmoid keeps the general kernel: its persistent dense twin ran 7% slower."""
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    tail = (causal, key_bias)
     if sigmoid != EXACT and use_dense(lengths, q, k, v):
-        return _forward_dense(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max)
+        return _forward_dense(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, *tail)
     tma = use_tma(q, k, v)
-    return _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma)
+    return _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, *tail)
 
 
-def backward_auto(do, q, k, v, lengths, scale, bias, log_bias, sigmoid):
+def backward_auto(do, q, k, v, lengths, scale, bias, log_bias, sigmoid,
+                  causal=False, key_bias=None):  # fmt: skip
     """The backward with the op's choices: an unpadded batch to the dense kernels (``use_dense``),
-    else the general kernels with TMA loads where ``use_tma``."""
+    else the general kernels with TMA loads where ``use_tma``. ``(dq, dk, dv, dkb)``, dkb the key
+    bias's gradient per head, (B, H, T) float32, or None without a key bias."""
     do, q, k, v = (last_dim_contiguous(t) for t in (do, q, k, v))
+    B, H, T, _ = q.shape
+    dkb = None
+    if key_bias is not None:
+        dkb = torch.empty(B, H, T, dtype=torch.float32, device=q.device)  # every entry written
+    tail = (causal, key_bias, dkb)
     if use_dense(lengths, q, k, v, do):
-        return _backward_dense(do, q, k, v, lengths, scale, bias, log_bias, sigmoid)
-    tma = use_tma(q, k, v, do)
-    return _backward(do, q, k, v, lengths, scale, bias, log_bias, sigmoid, tma)
+        grads = _backward_dense(do, q, k, v, lengths, scale, bias, log_bias, sigmoid, *tail)
+    else:
+        tma = use_tma(q, k, v, do)
+        grads = _backward(do, q, k, v, lengths, scale, bias, log_bias, sigmoid, tma, *tail)
+    return (*grads, dkb)
 
 
 # ---- torch.library ops (compile-friendly) + autograd --------------------------------------------
 # ``custom_op``, not ``triton_op``: torch.compile sees each op as one opaque node (no graph break
 # under fullgraph=True) and runs the body as in eager, with the real tensors' strides. Traced
 # through as a ``triton_op``, inductor returned wrong values on the H200 (NaN, ~100x off) for
-# reasons not pinned down (docs/LOG.md); an opaque op gives that up for certainty.
+# reasons not pinned down (docs/LOG.md); an opaque op gives that up for certainty. ``key_bias``:
+# the (B, H, T) float32 view of ``key_bias_view``; its gradient is per head.
 
 
 @torch.library.custom_op("stabilitylab::sigmoid_attention_fwd", mutates_args=())
@@ -645,10 +851,14 @@ def _fwd_op(
     log_bias: bool,
     sigmoid: int,
     return_max: bool,
+    causal: bool = False,
+    key_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # The op runs under torch.compile, whose tracing skipped the lengths' range check.
     check_lengths_at_launch(lengths, q.shape[2])
-    return forward_auto(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max)
+    return forward_auto(
+        q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, causal, key_bias
+    )
 
 
 @torch.library.custom_op("stabilitylab::sigmoid_attention_bwd", mutates_args=())
@@ -662,33 +872,48 @@ def _bwd_op(
     bias: float,
     log_bias: bool,
     sigmoid: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    causal: bool = False,
+    key_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dkb)``; dkb empty without a key bias (an op returns tensors only)."""
     check_lengths_at_launch(lengths, q.shape[2])  # as in the forward op
-    return backward_auto(do, q, k, v, lengths, scale, bias, log_bias, sigmoid)
+    dq, dk, dv, dkb = backward_auto(
+        do, q, k, v, lengths, scale, bias, log_bias, sigmoid, causal, key_bias
+    )
+    return dq, dk, dv, (q.new_empty(0, dtype=torch.float32) if dkb is None else dkb)
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max):
+def _fwd_fake(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, causal=False,
+              key_bias=None):  # fmt: skip
     B, H = q.shape[:2]
     max_bh = q.new_empty((B, H) if return_max else (0,), dtype=torch.float32)
     return _empty_bthd_as_bhtd(q), max_bh
 
 
 @_bwd_op.register_fake
-def _bwd_fake(do, q, k, v, lengths, scale, bias, log_bias, sigmoid):
-    return tuple(_empty_bthd_as_bhtd(t) for t in (q, k, v))
+def _bwd_fake(do, q, k, v, lengths, scale, bias, log_bias, sigmoid, causal=False, key_bias=None):
+    dkb = q.new_empty(q.shape[:3] if key_bias is not None else (0,), dtype=torch.float32)
+    return (*(_empty_bthd_as_bhtd(t) for t in (q, k, v)), dkb)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, lengths, scale, bias, log_bias, sigmoid, _ = inputs
-    ctx.save_for_backward(q, k, v, lengths)
-    ctx.args = (scale, bias, log_bias, sigmoid)
+    q, k, v, lengths, scale, bias, log_bias, sigmoid, _, causal, key_bias = inputs
+    ctx.save_for_backward(q, k, v, lengths, key_bias)
+    ctx.args = (scale, bias, log_bias, sigmoid, causal)
+
+
+def _input_grads(dq, dk, dv, dkb, key_bias, n_inputs: int) -> tuple:
+    """The gradients of the ops' inputs (q, k, v, then none for lengths and the numbers, then the
+    key bias's), for the ``n_inputs`` inputs a caller passed."""
+    grads = (dq, dk, dv, None, None, None, None, None, None, None)
+    return (*grads, None if key_bias is None else dkb)[:n_inputs]
 
 
 def _backward_op(ctx, d_out, _d_max):
-    q, k, v, lengths = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(d_out, q, k, v, lengths, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, lengths, key_bias = ctx.saved_tensors
+    dq, dk, dv, dkb = _bwd_op(d_out, q, k, v, lengths, *ctx.args, key_bias)
+    return _input_grads(dq, dk, dv, dkb, key_bias, 11)
 
 
 _fwd_op.register_autograd(_backward_op, setup_context=_setup_context)
@@ -700,18 +925,21 @@ class _EagerSigmoidAttention(torch.autograd.Function):
     whenever a kernel is that short (T <= 1K, or heavy padding)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max):
-        out, max_bh = forward_auto(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max)
-        ctx.save_for_backward(q, k, v, lengths)
-        ctx.args = (scale, bias, log_bias, sigmoid)
+    def forward(ctx, q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, causal=False,
+                key_bias=None):  # fmt: skip
+        out, max_bh = forward_auto(
+            q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, causal, key_bias
+        )
+        ctx.save_for_backward(q, k, v, lengths, key_bias)
+        ctx.args = (scale, bias, log_bias, sigmoid, causal)
         ctx.mark_non_differentiable(max_bh)
         return out, max_bh
 
     @staticmethod
     def backward(ctx, d_out, _d_max):
-        q, k, v, lengths = ctx.saved_tensors
-        dq, dk, dv = backward_auto(d_out, q, k, v, lengths, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        q, k, v, lengths, key_bias = ctx.saved_tensors
+        dq, dk, dv, dkb = backward_auto(d_out, q, k, v, lengths, *ctx.args, key_bias)
+        return _input_grads(dq, dk, dv, dkb, key_bias, len(ctx.needs_input_grad))
 
 
 # ---- public function ---------------------------------------------------------------------------
@@ -734,22 +962,30 @@ def sigmoid_attention(
     *,
     scale: float | None = None,
     bias: float | None = None,
+    causal: bool = False,
+    key_bias_BT: torch.Tensor | None = None,
+    key_bias_BHT: torch.Tensor | None = None,
     exact: bool = False,
     return_max_logit: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(out_BHTD, max_logit_BH | None)``; see the module docstring for formula and layout.
 
-    ``exact=True`` evaluates ``1/(1+exp(-x))``; the default uses the hardware tanh on CUDA for
-    bf16/fp16 inputs. The output is a (B, H, T, D) view of (B, T, H, D) memory.
+    ``causal``: query i sees keys j <= i. ``key_bias_BT`` (shared by the heads) or
+    ``key_bias_BHT`` (one per head), at most one: added to every query's logit for key j, computed
+    in float32, differentiable. ``exact=True`` evaluates ``1/(1+exp(-x))``; the default uses the
+    hardware tanh on CUDA for bf16/fp16 inputs. The output is a (B, H, T, D) view of (B, T, H, D)
+    memory.
     """
     named = {"q_BHTD": q_BHTD, "k_BHTD": k_BHTD, "v_BHTD": v_BHTD}
-    check_attention_inputs(named, lengths_B, scale, bias)
+    check_attention_inputs(named, lengths_B, scale, bias, causal)
+    key_bias = check_key_bias(q_BHTD, key_bias_BT, key_bias_BHT)
     scale = 1.0 / math.sqrt(q_BHTD.shape[-1]) if scale is None else float(scale)
     mode = EXACT if exact else default_fast_mode(q_BHTD.dtype)
     bias_f = 0.0 if bias is None else float(bias)
     # Under torch.compile the opaque custom op (no graph break); in eager the cheaper Function.
     fn = _fwd_op if torch.compiler.is_compiling() else _EagerSigmoidAttention.apply
     out_BHTD, max_BH = fn(
-        q_BHTD, k_BHTD, v_BHTD, lengths_B, scale, bias_f, bias is None, mode, return_max_logit
-    )
+        q_BHTD, k_BHTD, v_BHTD, lengths_B, scale, bias_f, bias is None, mode, return_max_logit,
+        causal, key_bias,
+    )  # fmt: skip
     return out_BHTD, (max_BH.detach() if return_max_logit else None)

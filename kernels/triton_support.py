@@ -171,13 +171,15 @@ def check_attention_inputs(
     lengths_B: torch.Tensor,
     scale: float | None,
     bias: float | None = None,
+    causal: bool = False,
 ) -> None:
     """Raise ``ValueError`` naming the first problem with ``q/k/v_BHTD`` and ``lengths_B``.
 
     Checks rank, matching shapes, head dim, dtypes, devices, CPU-without-interpreter, scale,
-    bias, and the lengths' shape, dtype and range [1, T]. The range check costs one device sync
-    per new lengths tensor; it is skipped while ``torch.compile`` traces (a data-dependent branch
-    breaks the graph), and made again at launch (``check_lengths_at_launch``).
+    bias, causal (a bool), and the lengths' shape, dtype and range [1, T]. The range check costs
+    one device sync per new lengths tensor; it is skipped while ``torch.compile`` traces (a
+    data-dependent branch breaks the graph), and made again at launch
+    (``check_lengths_at_launch``).
     """
     first_name, first = next(iter(named.items()))
     for name, t in named.items():
@@ -229,10 +231,43 @@ def check_attention_inputs(
         raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
     if bias is not None and not (real(bias) and math.isfinite(bias)):
         raise ValueError(f"bias must be a finite float or None, got {bias!r}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
     if B == 0 or T == 0:
         raise ValueError(f"empty input: B={B}, T={T}")
     if not torch.compiler.is_compiling():
         _lengths_min_max(lengths_B, T)
+
+
+def check_key_bias(
+    q_BHTD: torch.Tensor, key_bias_BT: torch.Tensor | None, key_bias_BHT: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The per-key logit bias as the kernels take it, or None: a (B, H, T) float32 tensor with unit
+    stride along T; ``key_bias_BT`` expanded over the heads (a view, so autograd sums its per-head
+    gradient over them), ``key_bias_BHT`` as is. Raise ``ValueError`` naming the argument: both
+    given, not a tensor, wrong shape, dtype or device."""
+    if key_bias_BT is not None and key_bias_BHT is not None:
+        raise ValueError("pass key_bias_BT or key_bias_BHT, not both")
+    B, H, T, _ = q_BHTD.shape
+    for name, kb, shape in (("key_bias_BT", key_bias_BT, (B, T)),
+                            ("key_bias_BHT", key_bias_BHT, (B, H, T))):  # fmt: skip
+        if kb is None:
+            continue
+        if not isinstance(kb, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(kb).__name__}")
+        if tuple(kb.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(kb.shape)}")
+        if kb.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"{name} has unsupported dtype {kb.dtype}; use one of {SUPPORTED_DTYPES}"
+            )
+        if kb.device != q_BHTD.device:
+            raise ValueError(f"device mismatch: q_BHTD {q_BHTD.device} vs {name} {kb.device}")
+        kb = kb.float()
+        if kb.stride(-1) != 1:
+            kb = kb.contiguous()
+        return kb[:, None, :].expand(B, H, T) if kb.dim() == 2 else kb
+    return None
 
 
 class LastTensorMemo:

@@ -33,7 +33,7 @@ Backends:
 - ``softmax-reference``, ``sigmoid-reference``: plain PyTorch, n x n; slow, but reproducible bit
   for bit on a GPU, which SDPA's backward is not. Support everything.
 - ``sigmoid-triton`` (stabilitylab.kernels) and ``sigmoid-triton-exact`` (the same with the exact
-  sigmoid): no ``causal`` or key bias in the kernel yet; refused by name.
+  sigmoid): everything, fused (causal tiles skipped, the key bias and its gradient in the kernel).
 """
 
 from __future__ import annotations
@@ -78,14 +78,11 @@ def get_backend(name: str) -> AttentionBackend:
 
 
 def max_abs_logit(q_BHTD, k_BHTD, lengths_B, causal: bool = False) -> torch.Tensor:
-    """Exact max |logit| per (batch, head) without an n x n tensor: Triton on CUDA, else chunks.
-
-    The Triton reduction has no causal mask: causal calls take the chunked path on CUDA too.
-    """
-    if q_BHTD.is_cuda and not causal:
+    """Exact max |logit| per (batch, head) without an n x n tensor: Triton on CUDA, else chunks."""
+    if q_BHTD.is_cuda:
         from stabilitylab.kernels.logit_max import max_abs_logit as fused
 
-        return fused(q_BHTD, k_BHTD, lengths_B)
+        return fused(q_BHTD, k_BHTD, lengths_B, causal=causal)
     return max_abs_logit_reference(q_BHTD, k_BHTD, lengths_B, causal=causal)
 
 
@@ -243,17 +240,6 @@ def sigmoid_reference(
 # ---- sigmoid: the Triton kernel -------------------------------------------------------------
 
 
-def refuse_unsupported(name: str, causal, key_bias_BT, key_bias_BHT) -> None:
-    """The Triton kernel has no causal mask and no key bias yet: refuse them by name."""
-    for arg, given in (("causal", bool(causal)), ("key_bias_BT", key_bias_BT is not None),
-                       ("key_bias_BHT", key_bias_BHT is not None)):  # fmt: skip
-        if given:
-            raise ValueError(
-                f"attention backend {name!r} does not support {arg} yet; "
-                "use 'sigmoid-reference' for causal or gated sigmoid attention"
-            )
-
-
 @register("sigmoid-triton")
 def sigmoid_triton(
     q_BHTD, k_BHTD, v_BHTD, lengths_B, *, causal=False, key_bias_BT=None, key_bias_BHT=None,
@@ -261,10 +247,10 @@ def sigmoid_triton(
 ):  # fmt: skip
     from stabilitylab.kernels import sigmoid_attention
 
-    refuse_unsupported("sigmoid-triton", causal, key_bias_BT, key_bias_BHT)
     return sigmoid_attention(
-        q_BHTD, k_BHTD, v_BHTD, lengths_B, bias=sigmoid_bias, return_max_logit=return_max_logit
-    )
+        q_BHTD, k_BHTD, v_BHTD, lengths_B, bias=sigmoid_bias, causal=causal,
+        key_bias_BT=key_bias_BT, key_bias_BHT=key_bias_BHT, return_max_logit=return_max_logit,
+    )  # fmt: skip
 
 
 @register("sigmoid-triton-exact")
@@ -276,8 +262,8 @@ def sigmoid_triton_exact(
     ``tanh.approx.f32`` one: to check that the approximation does not change a run's fate."""
     from stabilitylab.kernels import sigmoid_attention
 
-    refuse_unsupported("sigmoid-triton-exact", causal, key_bias_BT, key_bias_BHT)
     return sigmoid_attention(
-        q_BHTD, k_BHTD, v_BHTD, lengths_B, bias=sigmoid_bias, return_max_logit=return_max_logit,
+        q_BHTD, k_BHTD, v_BHTD, lengths_B, bias=sigmoid_bias, causal=causal,
+        key_bias_BT=key_bias_BT, key_bias_BHT=key_bias_BHT, return_max_logit=return_max_logit,
         exact=True,
     )  # fmt: skip

@@ -11,6 +11,28 @@ from stabilitylab.kernels.reference import key_mask_BT
 # sigmoid-triton on CPU tensors: Triton's interpreter (tests/conftest.py)
 BACKENDS = [pytest.param(n, marks=pytest.mark.interpreter) if n.startswith("sigmoid-triton") else n
             for n in available()]  # fmt: skip
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _reference_cases() -> list:
+    """(backend, device, causal, key bias kind): every backend on CPU tensors, the Triton ones in
+    the interpreter without causal masking or a key bias only (tests/test_kernels.py covers those
+    there), and on CUDA with all of them."""
+    cases = []
+    for name in available():
+        for causal in (False, True):
+            for kind in (None, "BT", "BHT"):
+                tag = f"{name}-{'causal' if causal else 'full'}-{kind or 'nobias'}"
+                if not name.startswith("sigmoid-triton"):
+                    cases.append(pytest.param(name, "cpu", causal, kind, id=f"{tag}-cpu"))
+                    continue
+                if not causal and kind is None:
+                    marks = pytest.mark.interpreter
+                    cases.append(
+                        pytest.param(name, "cpu", causal, kind, marks=marks, id=f"{tag}-cpu")
+                    )
+                cases.append(pytest.param(name, "cuda", causal, kind, marks=GPU, id=f"{tag}-cuda"))
+    return cases
 
 
 def _visible_f64(lengths, T, causal):
@@ -66,27 +88,18 @@ def _key_bias(kind, B, H, T, seed):
     return {f"key_bias_{kind}": torch.log(gate + 1e-8)}
 
 
-TRITON_REFUSES = ("causal", "key_bias_BT", "key_bias_BHT")  # the kernel has neither yet
-
-
-@pytest.mark.parametrize("name", BACKENDS)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("key_bias", [None, "BT", "BHT"])
+@pytest.mark.parametrize("name, device, causal, key_bias", _reference_cases())
 @pytest.mark.parametrize("bias", [None, -1.5])
 @pytest.mark.parametrize("lens", [(37, 20, 1), (37, 37, 37)], ids=["padded", "full"])
-def test_backend_matches_float64_reference(name, causal, key_bias, bias, lens):
+def test_backend_matches_float64_reference(name, device, causal, key_bias, bias, lens):
     """Every backend on odd lengths with padding, causal or not, with or without a per-key bias
-    (shared or per head): its output and max |logit| against float64 maths, or a refusal that
-    names the argument it cannot honour."""
+    (shared or per head): its output and max |logit| against float64 maths."""
     seed = torch.randint(0, 2**31, ()).item()
     q, k, v, lengths = _inputs(3, 2, 37, 64, list(lens), torch.float32, seed)
     kw = _key_bias(key_bias, 3, 2, 37, seed)
+    q, k, v, lengths = (t.to(device) for t in (q, k, v, lengths))
+    kw = {name_: t.to(device) for name_, t in kw.items()}
     backend = get_backend(name)
-    if name.startswith("sigmoid-triton") and (causal or key_bias):
-        arg = "causal" if causal else f"key_bias_{key_bias}"
-        with pytest.raises(ValueError, match=f"{name}.*{arg}"):
-            backend(q, k, v, lengths, causal=causal, **kw)
-        return
     out, stats = backend(
         q, k, v, lengths, causal=causal, sigmoid_bias=bias, return_max_logit=True, **kw
     )
@@ -108,7 +121,9 @@ def test_backend_matches_float64_reference(name, causal, key_bias, bias, lens):
 
 
 GRAD_BACKENDS = ["softmax", "softmax-reference", "sigmoid-reference",
-                 pytest.param("softmax-flex", marks=pytest.mark.gpu)]  # fmt: skip
+                 pytest.param("softmax-flex", marks=pytest.mark.gpu),
+                 pytest.param("sigmoid-triton", marks=GPU),
+                 pytest.param("sigmoid-triton-exact", marks=GPU)]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", GRAD_BACKENDS)
@@ -116,9 +131,11 @@ GRAD_BACKENDS = ["softmax", "softmax-reference", "sigmoid-reference",
 @pytest.mark.parametrize("kind", ["BT", "BHT"])
 def test_key_bias_gradient_matches_float64_autograd(name, causal, kind):
     """d key_bias (and dq, dk, dv) from each backend against autograd through float64 maths: the
-    gate learns through this gradient (sum over queries, and heads for key_bias_BT)."""
-    device = "cuda" if name == "softmax-flex" else "cpu"
-    q, k, v, lengths = _inputs(2, 3, 29, 32, [29, 12], torch.float32, 7)
+    gate learns through this gradient (sum over queries, and heads for key_bias_BT). The Triton
+    backends (head dim 64 or 128) on CUDA; their interpreter runs are in tests/test_kernels.py."""
+    device = "cuda" if name in ("softmax-flex", "sigmoid-triton", "sigmoid-triton-exact") else "cpu"
+    D = 64 if name.startswith("sigmoid-triton") else 32
+    q, k, v, lengths = _inputs(2, 3, 29, D, [29, 12], torch.float32, 7)
     kb = _key_bias(kind, 2, 3, 29, 7)[f"key_bias_{kind}"]
     leaves = [t.to(device).requires_grad_() for t in (q, k, v, kb)]
     lengths = lengths.to(device)

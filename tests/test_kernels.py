@@ -113,10 +113,30 @@ def _err(a, b):
     return (a.double() - b.double()).abs().max().item()
 
 
-def _ref_grads(q, k, v, lengths, g, **kw):
+def _ref_grads(q, k, v, lengths, g, key_bias=None, **kw):
+    """Output and gradients (of q, k, v, and of ``key_bias``: ``{"key_bias_BT": t}`` or
+    ``{"key_bias_BHT": t}``) through the reference, at q's dtype."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = sigmoid_attention_reference(*leaves, lengths, **kw)
+    bias = {}
+    if key_bias:
+        ((name, kb),) = key_bias.items()
+        bias = {name: kb.detach().clone().requires_grad_()}  # the reference adds it at q's dtype
+        leaves.append(bias[name])
+    out = sigmoid_attention_reference(*leaves[:3], lengths, **kw, **bias)
     return out.detach(), torch.autograd.grad(out, leaves, g.to(out.dtype))
+
+
+def _gate_bias(kind, B, H, T, lengths_B, gen, device):
+    """``({key_bias_<kind>: clean}, {key_bias_<kind>: NaN at padded keys})``: a gate's
+    log(g + 1e-8) with g spread over (0, 1), about -18 to 0; ``({}, {})`` for kind None."""
+    if kind is None:
+        return {}, {}
+    shape = (B, T) if kind == "BT" else (B, H, T)
+    gate = torch.rand(shape, generator=gen, device=device) ** 3
+    valid = key_mask_BT(lengths_B, T) if kind == "BT" else key_mask_BT(lengths_B, T)[:, None]
+    clean = torch.log(gate + 1e-8) * valid
+    name = f"key_bias_{kind}"
+    return {name: clean}, {name: clean.masked_fill(~valid, float("nan"))}
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -136,30 +156,44 @@ def test_matches_reference(device, dtype, loads, D, monkeypatch):
             _check_against_reference(device, dtype, D, T, lengths, exact, gen, where)
 
 
-def _check_against_reference(device, dtype, D, T, lengths, exact, gen, where):
+def _check_against_reference(
+    device, dtype, D, T, lengths, exact, gen, where, causal=False, key_bias=None
+):  # fmt: skip
+    """The three-way check of output, gradients (and the key bias's), max|logit|, padded rows."""
     B, H = len(lengths), 2
     (q, k, v), (qn, kn, vn), lengths_B = _inputs(B, H, T, D, lengths, dtype, device, gen)
     valid = key_mask_BT(lengths_B, T)[:, None, :, None]
     g = torch.randn(B, H, T, D, generator=gen, device=device).to(dtype)
     g_nan = g.masked_fill(~valid, float("nan"))
     g = g * valid
+    kb, kb_nan = _gate_bias(key_bias, B, H, T, lengths_B, gen, device)
+    kb64 = {name: t.double() for name, t in kb.items()}
 
-    out64, grads64 = _ref_grads(q.double(), k.double(), v.double(), lengths_B, g)
-    out_t, grads_t = _ref_grads(q, k, v, lengths_B, g)
-    leaves = [t.detach().requires_grad_() for t in (qn, kn, vn)]
-    out, max_BH = sigmoid_attention(*leaves, lengths_B, exact=exact, return_max_logit=True)
+    out64, grads64 = _ref_grads(
+        q.double(), k.double(), v.double(), lengths_B, g, kb64, causal=causal
+    )
+    out_t, grads_t = _ref_grads(q, k, v, lengths_B, g, kb, causal=causal)
+    leaves = [t.detach().requires_grad_() for t in (qn, kn, vn, *kb_nan.values())]
+    out, max_BH = sigmoid_attention(
+        *leaves[:3], lengths_B, exact=exact, return_max_logit=True, causal=causal,
+        **{name: leaves[3] for name in kb_nan},
+    )  # fmt: skip
     grads = torch.autograd.grad(out, leaves, g_nan)
 
     assert out.shape == q.shape and out.dtype == dtype, where
     assert _err(out, out64) <= 2 * _err(out_t, out64) + ATOL[dtype], where
-    for name, a, t_, r in zip("qkv", grads, grads_t, grads64, strict=True):
+    names = ["q", "k", "v", "key_bias"][: len(leaves)]
+    for name, leaf, a, t_, r in zip(names, leaves, grads, grads_t, grads64, strict=True):
+        assert a.dtype == leaf.dtype, f"d{name} dtype, {where}"
         assert torch.isfinite(a).all(), f"d{name} not finite, {where}"
         assert _err(a, r) <= 3 * _err(t_, r) + ATOL[dtype], f"d{name}, {where}"
     for b, L in enumerate(lengths):
         assert (out[b, :, L:] == 0).all(), f"padded query rows must be zero, {where}"
-        for a in grads:
+        for a in grads[:3]:
             assert (a[b, :, L:] == 0).all(), f"padded rows must get zero gradient, {where}"
-    max_ref = max_abs_logit_reference(q.double(), k.double(), lengths_B)
+        if kb:
+            assert (grads[3][b, ..., L:] == 0).all(), f"padded keys: zero bias gradient, {where}"
+    max_ref = max_abs_logit_reference(q.double(), k.double(), lengths_B, causal=causal)
     assert max_BH.dtype == torch.float32 and not max_BH.requires_grad, where
     torch.testing.assert_close(max_BH.double(), max_ref.double(), rtol=1e-4, atol=1e-5, msg=where)
 
@@ -204,6 +238,87 @@ def test_every_launch_config_matches_reference(device, D, monkeypatch):
             for case, (T, lengths) in SHAPES[device].items():
                 where = f"config {i}, {loads}, {case}"
                 _check_against_reference(device, dtype, D, T, lengths, False, gen, where)
+                where += ", causal, key_bias_BT"
+                _check_against_reference(
+                    device, dtype, D, T, lengths, False, gen, where, causal=True, key_bias="BT"
+                )
+
+
+# (causal, key bias) combinations. The GPU runs all of them; the interpreter, which is slow, the
+# three that cover causal alone, a per-head bias alone, and both with a shared bias.
+GATED = {
+    "cuda": [(True, None), (False, "BT"), (False, "BHT"), (True, "BT"), (True, "BHT")],
+    "cpu": [(True, None), (False, "BHT"), (True, "BT")],
+}
+
+
+def _gated_cases() -> list:
+    """(device, dtype, loads) for the causal / key-bias test: each device's main 16-bit dtype on
+    both load paths; on the GPU also fp16 and fp32 (pointer loads)."""
+    cases = [pytest.param("cpu", torch.float16, loads, id=f"cpu-float16-{loads}")
+             for loads in ("ptr", "tma")]  # fmt: skip
+    for dtype, loads in ((torch.bfloat16, "ptr"), (torch.bfloat16, "tma"),
+                         (torch.float16, "ptr"), (torch.float32, "ptr")):  # fmt: skip
+        name = f"cuda-{str(dtype).removeprefix('torch.')}-{loads}"
+        cases.append(pytest.param("cuda", dtype, loads, marks=gpu, id=name))
+    return cases
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("device, dtype, loads", _gated_cases(), indirect=["device"])
+def test_causal_and_key_bias_match_reference(device, dtype, loads, D, monkeypatch):
+    """Causal masking and the per-key bias (with its gradient), alone and together, on odd lengths
+    with padding and on an unpadded batch (at head dim 128 in 16 bits: the dense kernels); on the
+    GPU also length 1, all but one padded, whole tiles, and the exact sigmoid in bf16."""
+    _use_loads(loads, monkeypatch)
+    gen = _generator(device)
+    exact_too = device == "cuda" and dtype == torch.bfloat16 and loads == "ptr"
+    cases = ("odd", "full") if device == "cpu" else tuple(SHAPES["cuda"])
+    for case in cases:
+        T, lengths = SHAPES[device][case]
+        for causal, kind in GATED[device]:
+            for exact in [False, True] if exact_too else [False]:
+                where = f"{case} causal={causal} key_bias={kind} exact={exact}"
+                _check_against_reference(
+                    device, dtype, D, T, lengths, exact, gen, where, causal=causal, key_bias=kind
+                )
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("blocks", [(32, 16), (16, 32)], ids=["tall", "wide"])
+def test_causal_splits_hold_for_unequal_tiles(blocks, monkeypatch):
+    """The causal loop bounds for query tiles taller than key tiles and the reverse (the GPU's
+    configs have both): the diagonal's masked stretch, the skipped tiles, the dK/dV query loop
+    starting at its own diagonal. Float32, odd lengths, a length-1 sequence."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(sa, "INTERPRETER_BLOCKS", {"BLOCK_M": blocks[0], "BLOCK_N": blocks[1]})
+    gen = _generator("cpu")
+    for case in ("odd", "len1"):
+        T, lengths = SHAPES["cpu"][case]
+        where = f"{case}, tiles {blocks}"
+        _check_against_reference(
+            "cpu", torch.float32, 64, T, lengths, False, gen, where, causal=True, key_bias="BT"
+        )
+
+
+@pytest.mark.parametrize("case", ["odd", "full"])
+def test_gated_causal_backward_is_bitwise_reproducible(device, case):
+    """Two forward and backward runs on the same inputs give the same bits, the key bias's
+    gradient included (reduced in a fixed order per key tile, summed over heads by torch): no
+    atomics anywhere. Padded (general kernels) and unpadded at head dim 128 (dense kernels)."""
+    gen = _generator(device)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    T, lengths = SHAPES[device][case]
+    _, (q, k, v), lengths_B = _inputs(2, 2, T, 128, lengths, dtype, device, gen)
+    _, kb_nan = _gate_bias("BT", 2, 2, T, lengths_B, gen, device)
+    g = torch.randn(q.shape, generator=gen, device=device).to(dtype)
+    runs = []
+    for _ in range(2):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, kb_nan["key_bias_BT"])]
+        out, _ = sigmoid_attention(*leaves[:3], lengths_B, causal=True, key_bias_BT=leaves[3])
+        runs.append((out, *torch.autograd.grad(out, leaves, g)))
+    for name, a, b in zip(["out", "dq", "dk", "dv", "dkey_bias"], *runs, strict=True):
+        assert torch.equal(a, b), name
 
 
 def test_bias_scale_and_no_max(device):
@@ -269,13 +384,22 @@ def test_max_abs_logit_matches_reference(device, D):
     torch.testing.assert_close(
         got_scaled.double(), ref.double() * 0.5 * D**0.5, rtol=1e-4, atol=1e-5
     )
-    # The softmax arm's standalone reduction and the sigmoid forward's fused max are one quantity.
+    # The softmax arm's standalone reduction and the sigmoid forward's fused max are one quantity,
+    # causal or not; a key bias is no part of it.
     v = torch.zeros_like(qn)
-    _, fused = sigmoid_attention(qn, kn, v, lengths_B, return_max_logit=True)
-    if device == "cpu":
-        assert torch.equal(fused, got)
-    else:  # each kernel autotuned with its own tiles
-        torch.testing.assert_close(fused, got, rtol=1e-5, atol=1e-6)
+    kb = torch.full(lengths_B.shape + (T,), 50.0, device=device)
+    for causal in (False, True):
+        alone = max_abs_logit(qn, kn, lengths_B, causal=causal)
+        ref = max_abs_logit_reference(q.double(), k.double(), lengths_B, causal=causal)
+        torch.testing.assert_close(alone.double(), ref.double(), rtol=1e-4, atol=1e-5)
+        _, fused = sigmoid_attention(
+            qn, kn, v, lengths_B, return_max_logit=True, causal=causal, key_bias_BT=kb
+        )
+        if device == "cpu":
+            assert torch.equal(fused, alone)
+        else:  # each kernel autotuned with its own tiles
+            torch.testing.assert_close(fused, alone, rtol=1e-5, atol=1e-6)
+    assert (alone < got).any(), "the causal maximum must be able to differ from the full one"
 
 
 def test_max_logit_is_nan_where_a_score_is_nan(device):
@@ -338,6 +462,34 @@ def test_value_errors(bad, monkeypatch):
         max_abs_logit(args[0], args[1], args[3])
 
 
+KEY_BIAS_BAD = {
+    "both": ({"key_bias_BT": torch.zeros(2, 8), "key_bias_BHT": torch.zeros(2, 2, 8)},
+             "key_bias_BT or key_bias_BHT"),
+    "bt_shape": ({"key_bias_BT": torch.zeros(2, 7)}, r"key_bias_BT must have shape \(2, 8\)"),
+    "bht_shape": ({"key_bias_BHT": torch.zeros(2, 8)},
+                  r"key_bias_BHT must have shape \(2, 2, 8\)"),
+    "dtype": ({"key_bias_BT": torch.zeros(2, 8, dtype=torch.float64)},
+              "key_bias_BT has unsupported dtype"),
+    "device": ({"key_bias_BHT": torch.zeros(2, 2, 8, device="meta")},
+               "device mismatch: q_BHTD cpu vs key_bias_BHT meta"),
+    "not_tensor": ({"key_bias_BT": [[0.0] * 8] * 2}, "key_bias_BT must be a torch.Tensor"),
+    "causal": ({"causal": 1}, "causal must be a bool"),
+}  # fmt: skip
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bad", sorted(KEY_BIAS_BAD))
+def test_key_bias_and_causal_errors_name_the_argument(bad, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, L = _bad_inputs("cpu")
+    kw, msg = KEY_BIAS_BAD[bad]
+    with pytest.raises(ValueError, match=msg):
+        sigmoid_attention(q, q, q, L, **kw)
+    if bad == "causal":
+        with pytest.raises(ValueError, match=msg):
+            max_abs_logit(q, q, L, causal="yes")
+
+
 @pytest.mark.interpreter
 def test_lengths_rechecked_after_in_place_change(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -369,13 +521,15 @@ def test_device_mismatch_cuda(monkeypatch):
         sigmoid_attention(q, q, q, L.cpu())
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "causal-key_bias"])
 @pytest.mark.parametrize(
     "backend",
     [pytest.param("aot_eager", marks=pytest.mark.interpreter), pytest.param("inductor", marks=gpu)],
 )  # aot_eager: CPU (interpreter) check of graph capture, fake shapes/strides and the autograd path
-def test_torch_compile_fullgraph_no_break(backend, monkeypatch):
+def test_torch_compile_fullgraph_no_break(backend, gated, monkeypatch):
     """fullgraph=True raises on any graph break. The ops are opaque custom ops, so the compiled
-    values must meet the same float64 criterion as eager; the standalone max|logit| op too."""
+    values must meet the same float64 criterion as eager; the standalone max|logit| op too. Gated:
+    causal with a key bias (B, T) that gets its gradient through the op."""
     device = "cuda" if backend == "inductor" else "cpu"
     if device == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -388,23 +542,33 @@ def test_torch_compile_fullgraph_no_break(backend, monkeypatch):
     (q, k, v), _, lengths_B = _inputs(2, 2, T, 64, lengths, dtype, device, gen)
     g = torch.randn(2, 2, T, 64, generator=gen, device=device).to(dtype)
     g = g * key_mask_BT(lengths_B, T)[:, None, :, None]
+    kb, _ = _gate_bias("BT" if gated else None, 2, 2, T, lengths_B, gen, device)
 
-    def step(q, k, v, lengths_B):
-        out, m = sigmoid_attention(q, k, v, lengths_B, return_max_logit=True)
+    def step(q, k, v, lengths_B, *key_bias_BT):
+        out, m = sigmoid_attention(
+            q, k, v, lengths_B, return_max_logit=True, causal=gated,
+            key_bias_BT=key_bias_BT[0] if gated else None,
+        )  # fmt: skip
         # A consumer of the output inside the graph, as the model's output projection is.
-        return out.transpose(1, 2).reshape(2, T, -1) * 2.0, m, max_abs_logit(q, k, lengths_B)
+        out2 = out.transpose(1, 2).reshape(2, T, -1) * 2.0
+        return out2, m, max_abs_logit(q, k, lengths_B, causal=gated)
 
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out2, max_BH, max2_BH = torch.compile(step, fullgraph=True, backend=backend)(*leaves, lengths_B)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, *kb.values())]
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    out2, max_BH, max2_BH = compiled(*leaves[:3], lengths_B, *leaves[3:])
     out = (out2 / 2.0).reshape(2, T, 2, 64).transpose(1, 2)
     grads = torch.autograd.grad(out, leaves, g)
-    out64, grads64 = _ref_grads(q.double(), k.double(), v.double(), lengths_B, g)
-    out_t, grads_t = _ref_grads(q, k, v, lengths_B, g)
+    kb64 = {name: t.double() for name, t in kb.items()}
+    out64, grads64 = _ref_grads(
+        q.double(), k.double(), v.double(), lengths_B, g, kb64, causal=gated
+    )
+    out_t, grads_t = _ref_grads(q, k, v, lengths_B, g, kb, causal=gated)
     atol = ATOL[dtype]
     assert _err(out, out64) <= 2 * _err(out_t, out64) + atol
+    assert len(grads) == (4 if gated else 3)
     for a, t_, r in zip(grads, grads_t, grads64, strict=True):
         assert _err(a, r) <= 3 * _err(t_, r) + atol
-    max_ref = max_abs_logit_reference(q.double(), k.double(), lengths_B)
+    max_ref = max_abs_logit_reference(q.double(), k.double(), lengths_B, causal=gated)
     torch.testing.assert_close(max_BH.double(), max_ref.double(), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(max2_BH.double(), max_ref.double(), rtol=1e-4, atol=1e-5)
 
@@ -450,21 +614,26 @@ def test_eager_calls_read_the_lengths_once_even_in_inference_mode(monkeypatch):
         assert len(reads) == 2
 
 
-def test_custom_op_path_equals_the_eager_function(device):
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "causal-key_bias"])
+def test_custom_op_path_equals_the_eager_function(device, gated):
     """torch.compile goes through the custom ops, eager through an autograd.Function: both must
-    launch the same kernels, so outputs, max|logit| and gradients agree bit for bit."""
+    launch the same kernels, so outputs, max|logit| and gradients agree bit for bit (the key
+    bias's too; without one the ops' trailing arguments keep their defaults)."""
     from stabilitylab.kernels.sigmoid_attention import _EagerSigmoidAttention, _fwd_op
 
     gen = _generator(device)
     T, lengths = SHAPES[device]["odd"]
     _, (qn, kn, vn), lengths_B = _inputs(2, 2, T, 64, lengths, torch.float16, device, gen)
+    _, kb = _gate_bias("BT" if gated else None, 2, 2, T, lengths_B, gen, device)
     g = torch.randn(qn.shape, generator=gen, device=device).to(qn.dtype)
     args = (lengths_B, 0.125, 0.0, True, 0, True)
     results = []
     for fn in (_fwd_op, _EagerSigmoidAttention.apply):
-        leaves = [t.detach().clone().requires_grad_() for t in (qn, kn, vn)]
-        out, max_BH = fn(*leaves, *args)
+        leaves = [t.detach().clone().requires_grad_() for t in (qn, kn, vn, *kb.values())]
+        tail = (True, leaves[3][:, None].expand(2, 2, T)) if gated else ()
+        out, max_BH = fn(*leaves[:3], *args, *tail)
         results.append((out, max_BH, *torch.autograd.grad(out, leaves, g)))
+    assert len(results[0]) == (6 if gated else 5)
     for a, b in zip(*results, strict=True):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
 
@@ -626,7 +795,8 @@ def test_unpadded_batches_take_the_dense_kernels_with_the_same_results(device, m
     """An unpadded 16-bit batch at head dim 128 goes to the dense kernels (descriptors built on
     the host); head dim 64, a padded, a float32 or an unaligned batch to the general kernels. On
     the same unpadded inputs both give the same outputs, max|logit| and gradients (bit for bit in
-    the interpreter, whose tiles are equal; on the GPU each is autotuned alone: within rounding)."""
+    the interpreter, whose tiles are equal; on the GPU each is autotuned alone: within rounding),
+    plain and causal with a per-head key bias (and its gradient)."""
     launched, launch = [], sa._launch
 
     def spy(kernel, *args, **kwargs):
@@ -648,22 +818,30 @@ def test_unpadded_batches_take_the_dense_kernels_with_the_same_results(device, m
         g = torch.randn(q.shape, generator=gen, device=device).to(dtype)
         args = (lengths_B, 1 / math.sqrt(D), 0.0, True, sa.TANH_F32)  # exact in the interpreter
         assert sa.use_dense(lengths_B, q, k, v, g) is (D in sa.DENSE_HEAD_DIMS)
-        monkeypatch.setattr(sa, "DENSE_HEAD_DIMS", (D,))  # run the dense kernels at both
-        launched.clear()
-        out, max_BH = sa.forward_auto(q, k, v, *args, True)
-        grads = sa.backward_auto(g, q, k, v, *args)
-        monkeypatch.setattr(sa, "DENSE_HEAD_DIMS", production_dims)
-        assert launched == [
-            "_sigmoid_fwd_dense_kernel", "_sigmoid_bwd_dq_dense_kernel",
-            "_sigmoid_bwd_dkdv_dense_kernel",
-        ], launched  # fmt: skip
-        out_g, max_g = sa._forward(q, k, v, *args, True, True)  # the general kernels on TMA
-        grads_g = sa._backward(g, q, k, v, *args, True)
-        for a, b in zip((out, max_BH, *grads), (out_g, max_g, *grads_g), strict=True):
-            if device == "cpu":
-                assert torch.equal(a, b), D
-            else:
-                torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+        kb = torch.randn(2, 2, T, generator=gen, device=device)
+        for causal, key_bias in ((False, None), (True, kb)):
+            tail = {"causal": causal, "key_bias": key_bias}
+            monkeypatch.setattr(sa, "DENSE_HEAD_DIMS", (D,))  # run the dense kernels at both
+            launched.clear()
+            out, max_BH = sa.forward_auto(q, k, v, *args, True, **tail)
+            *grads, dkb = sa.backward_auto(g, q, k, v, *args, **tail)
+            monkeypatch.setattr(sa, "DENSE_HEAD_DIMS", production_dims)
+            assert launched == [
+                "_sigmoid_fwd_dense_kernel", "_sigmoid_bwd_dq_dense_kernel",
+                "_sigmoid_bwd_dkdv_dense_kernel",
+            ], launched  # fmt: skip
+            assert (dkb is None) is (key_bias is None)
+            out_g, max_g = sa._forward(q, k, v, *args, True, True, **tail)  # general, TMA
+            dkb_g = None if key_bias is None else torch.empty_like(kb)
+            grads_g = sa._backward(g, q, k, v, *args, True, **tail, dkb=dkb_g)
+            dense, general = (out, max_BH, *grads, dkb), (out_g, max_g, *grads_g, dkb_g)
+            for a, b in zip(dense, general, strict=True):
+                if a is None:
+                    assert b is None
+                elif device == "cpu":
+                    assert torch.equal(a, b), (D, causal)
+                else:
+                    torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
         # The exact sigmoid's forward keeps the general kernel (``forward_auto``).
         launched.clear()
         monkeypatch.setattr(sa, "DENSE_HEAD_DIMS", (D,))

@@ -1,0 +1,88 @@
+"""experiments/bench/bench_causal.py: its smoke run on CPU (Triton's interpreter) and its bars from
+synthetic rows. No test here reads a speed: the smoke run's timings are of the interpreter."""
+
+import importlib
+import math
+import pathlib
+import re
+
+import pandas as pd
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "bench"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """The script as a module (its folder on sys.path, as when it runs)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module("bench_causal")
+
+
+@pytest.mark.interpreter
+def test_smoke_run_writes_rows_and_prints_the_table_and_bars_last(bench, tmp_path, capsys,
+                                                                   monkeypatch):  # fmt: skip
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    bench.main(["--smoke", "--rounds", "2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    rows = pd.read_csv(tmp_path / "causal.csv")
+    assert sorted(rows.provider.unique()) == sorted(bench.PROVIDERS)
+    assert len(rows) == 2 * len(bench.PROVIDERS) and set(rows["round"]) == {0, 1}
+    ran = rows[~rows.provider.isin(bench.CUDA_ONLY)]
+    assert (ran.fwd_ms > 0).all() and (ran.bwd_ms > 0).all(), ran
+    assert rows[rows.provider.isin(bench.CUDA_ONLY)].fwd_ms.isna().all()  # no CUDA here
+    # FLOPs over the causal half: 4 H D sum T (T + 1) / 2 (B = 64 / 32, H = 128 / 64, T = 32).
+    one = rows.iloc[0]
+    flops = 4 * 2 * 64 * 2 * 32 * 33 / 2
+    assert math.isclose(one.fwd_tflops, flops / one.fwd_ms * 1e-9, rel_tol=1e-9)
+    # The fused gated kernel agrees with float64 maths (the script's accuracy line).
+    fused = float(re.search(r"fused gated ([0-9.e+-]+)", out).group(1))
+    assert fused < 1e-5
+    # The table, then the bars, printed last.
+    table_at = out.index("| T | sigmoid-gated | sigmoid | cudnn |")
+    bars_at = out.index("| bar | T | threshold |")
+    assert table_at < bars_at
+    assert out.rstrip().splitlines()[-1].startswith("| bwd sdpa-gated / flex-gated | 32 |")
+    bars = pd.read_csv(tmp_path / "causal_bars.csv")
+    gate = bars[bars.bar == "fwd gate on / gate off"].iloc[0]
+    assert gate["rounds"] == 2 and gate["status"] in ("met", "tie", "not met")
+    assert (bars[bars.bar.str.contains("flex-gated")].status == "no data").all()
+
+
+def _rows(provider, T, fwd, bwd):
+    return [{"provider": provider, "T": T, "round": r, "fwd_tflops": f, "bwd_tflops": b}
+            for r, (f, b) in enumerate(zip(fwd, bwd, strict=True))]  # fmt: skip
+
+
+def test_bars_are_medians_of_per_round_ratios(bench):
+    df = pd.DataFrame(
+        _rows("sigmoid-gated", 2048, [300, 300, 300], [240, 220, 240])
+        + _rows("sigmoid", 2048, [310, 320, 340], [250, 250, 250])
+        + _rows("flex-gated", 2048, [285, 285, 285], [230, 230, 230])
+        + _rows("sdpa-gated", 2048, [200, 300, 200], [100, 100, 100])
+        + _rows("cudnn", 2048, [383, 383, 383], [327, 327, 327])
+        + _rows("sigmoid-gated", 512, [1, 1, 1], [1, 1, 1])
+    )
+    table = bench.bars(df, 2048).set_index("bar")
+    assert set(table["T"]) == {2048}  # below the bars' T, no rows
+    fwd_flex = table.loc["fwd sigmoid-gated / flex-gated"]
+    assert fwd_flex["median"] == pytest.approx(300 / 285) and fwd_flex["status"] == "met"
+    bwd_flex = table.loc["bwd sigmoid-gated / flex-gated"]  # 220 / 230 in one round
+    assert bwd_flex["median"] == pytest.approx(240 / 230) and bwd_flex["status"] == "tie"
+    assert table.loc["fwd sigmoid-gated / cudnn", "status"] == "not met"  # 0.78x < 0.9x
+    gate = table.loc["fwd gate on / gate off"]  # 300 / 340 = 0.88 < 1 / 1.1 in one round
+    assert gate["median"] == pytest.approx(300 / 320) and gate["status"] == "tie"
+    assert table.loc["fwd sdpa-gated / flex-gated", "status"] == "flex-gated faster"
+    assert table.loc["fwd sdpa-gated / flex-gated", "median"] == pytest.approx(200 / 285)
+
+
+def test_bad_arguments_are_named(bench, capsys):
+    cases = [
+        (["--rounds", "0"], "--rounds must be >= 1"),
+        (["--hidden", "100"], "--hidden must be a multiple of the head dim 64"),
+        (["--providers", "cudnn", "flash-sigmoid"], "unknown providers"),
+    ]
+    for argv, msg in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main(argv)
+        assert exit_info.value.code == 2 and msg in capsys.readouterr().err
