@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import pathlib
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -699,6 +703,20 @@ def test_each_specialisation_is_autotuned_on_its_own(monkeypatch):
     assert [len(t.keys) for t in made] == [2, 1]
     assert made[0].keys[0] == made[1].keys[0]  # the same autotune key, tuned twice
 
+    # CAUSAL and HAS_KEY_BIAS select code paths: in the key. The key bias's alignment: in the
+    # specialisation (an aligned and an unaligned one are tuned apart).
+    made.clear()
+    monkeypatch.setattr(sa, "_TUNED", {})
+    kb = torch.zeros(80)
+    for causal, key_bias in ((False, None), (True, None), (True, kb[:64]), (True, kb[1:65])):
+        extra = {"CAUSAL": causal, "HAS_KEY_BIAS": key_bias is not None}
+        if key_bias is not None:
+            extra.update(KB=key_bias, skbb=64, skbh=0)
+        sa._launch(sa._sigmoid_fwd_kernel, "fwd", q, (1,), (q, 64, 64), {**levers, **extra})
+    assert [len(t.keys) for t in made] == [2, 1, 1]
+    assert len({key for t in made for key in t.keys}) == 3
+    assert made[1].keys == made[2].keys
+
 
 def test_tuned_autotunes_once_per_key_then_launches_straight():
     """The launcher pays the autotuner's dispatch only at a key's first call; later calls launch
@@ -896,3 +914,46 @@ def test_lengths_all_full_is_false_under_cuda_graph_capture():
         x.add_(1)
         captured = lengths_all_full(full, 8)
     assert captured is False
+
+
+# The interpreter runs the kernels as Python: a kernel it accepts may still fail in Triton's
+# compiler. This compiles the causal + key-bias variant of every kernel for sm_90a without a GPU.
+COMPILE_GATED = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import ptx_offline as p
+from triton.compiler.compiler import make_backend
+sa, launches = p.record_launches(True, seq_lens=(64,))
+backend, seen = make_backend(p.TARGET), set()
+for kernel, kind, fp32, args, kwargs, dense in launches:
+    name = kernel.fn.__name__
+    if name in seen or not (kwargs.get("CAUSAL") and kwargs.get("HAS_KEY_BIAS")):
+        continue
+    seen.add(name)
+    config = sa._configs(kind, (9, 0), fp32, dense)[0]
+    kw = {**kwargs, **config.kwargs}
+    if config.pre_hook is not None:
+        config.pre_hook(kw)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages, "debug": False}
+    text = p.ptx(kernel, args, {**kw, **options}, backend)
+    print(name, f".entry {name}(" in text, "wgmma.mma_async" in text)
+"""
+
+
+def test_gated_causal_kernels_compile_for_sm90_without_a_gpu():
+    """Every kernel (general and dense) with CAUSAL and a key bias, through Triton's compiler up
+    to sm_90a PTX with wgmma, in a process of its own (one that imported triton without the
+    interpreter), with experiments/bench/ptx_offline.py."""
+    bench = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "bench"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_GATED, str(bench)], env=env, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
+    kernels = ["_sigmoid_fwd_kernel", "_sigmoid_bwd_dq_kernel", "_sigmoid_bwd_dkdv_kernel",
+               "_sigmoid_fwd_dense_kernel", "_sigmoid_bwd_dq_dense_kernel",
+               "_sigmoid_bwd_dkdv_dense_kernel"]  # fmt: skip
+    assert sorted(compiled) == sorted(kernels)
+    assert all(v == "True True" for v in compiled.values()), compiled

@@ -83,6 +83,12 @@ def gate_halves(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.log(gate + 1e-8), x["v"] * gate[:, None, :, None].to(x["v"].dtype)
 
 
+def _sigmoid_gated(x: dict) -> torch.Tensor:
+    kb, v = gate_halves(x)
+    out_BHTD, _ = sigmoid_attention(x["q"], x["k"], v, x["lengths"], causal=True, key_bias_BT=kb)
+    return out_BHTD
+
+
 def _sdpa(backend) -> Callable:
     from torch.nn.attention import sdpa_kernel
 
@@ -134,14 +140,7 @@ def provider_fn(name: str, x: dict) -> Callable[[dict], torch.Tensor] | None:
     if name in CUDA_ONLY and not x["q"].is_cuda:
         return None
     if name == OP:
-
-        def run(x):
-            kb, v = gate_halves(x)
-            return sigmoid_attention(x["q"], x["k"], v, x["lengths"], causal=True, key_bias_BT=kb)[
-                0
-            ]
-
-        return run
+        return _sigmoid_gated
     if name == GATE_OFF:
         return lambda x: sigmoid_attention(x["q"], x["k"], x["v"], x["lengths"], causal=True)[0]
     if name in ("cudnn", "flash"):
