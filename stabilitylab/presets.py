@@ -193,8 +193,10 @@ def kv_reduced() -> Config:
     tokens), the rest of the optimizer as kv_paper. bf16; softmax cells through SDPA (`softmax`:
     no compile warm-up; the gate goes in as an additive float mask), sigmoid cells through
     sigmoid-triton (sigmoid_backend=auto). Validation every 100 steps on the whole val split
-    (~100K tokens). A job stopped at the 10-minute limit resumes from the 500-step checkpoints;
-    finished cells are skipped.
+    (~100K tokens). A stopped job resumes from the 500-step checkpoints; finished cells are skipped.
+    Measured (docs/RESULTS.md, section 6): a dense softmax cell ran its 1,500 steps in ~270 s
+    with three other processes on the same H200; a process holds ~32 GiB (the fp32 logits), so at
+    most three cells share one H200.
     """
     return Config(
         preset="reduced",
