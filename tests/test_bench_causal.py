@@ -39,7 +39,7 @@ def test_smoke_run_writes_rows_and_prints_the_table_and_bars_last(bench, tmp_pat
     fused = float(re.search(r"fused gated ([0-9.e+-]+)", out).group(1))
     assert fused < 1e-5
     # The table, then the bars, printed last.
-    table_at = out.index("| T | sigmoid-gated | sigmoid | cudnn |")
+    table_at = out.index("| T | sigmoid-gated | sigmoid | sigmoid-bias | sigmoid-gv | cudnn |")
     bars_at = out.index("| bar | T | threshold |")
     assert table_at < bars_at
     assert out.rstrip().splitlines()[-1].startswith("| bwd sdpa-gated / flex-gated | 32 |")

@@ -13,6 +13,9 @@ values. Providers:
 
 - ``sigmoid-gated``: the lab's fused kernel, causal with ``key_bias_BT`` (gate on)
 - ``sigmoid``: the same kernel, causal, no gate (gate off)
+- ``sigmoid-bias``, ``sigmoid-gv``: the gate's cost taken apart: the kernel with the key bias
+  ``log(g + 1e-8)`` alone (its loads and its gradient's row sums, v unscaled), and the kernel with
+  no bias after the elementwise ``g * v`` alone (its multiply and gradient outside the kernel)
 - ``cudnn``, ``flash``: SDPA causal softmax (``is_causal=True``), no gate
 - ``flex-gated``: compiled FlexAttention, causal block mask, a ``score_mod`` adding the key bias
 - ``sdpa-gated``: SDPA with the gate as an additive float mask (B, 1, T, T), -inf above the
@@ -47,8 +50,8 @@ from stabilitylab.analysis.bench_report import markdown_table
 from stabilitylab.kernels import sigmoid_attention
 from stabilitylab.kernels.reference import sigmoid_attention_reference
 
-PROVIDERS = ["sigmoid-gated", "sigmoid", "cudnn", "flash", "flex-gated", "sdpa-gated",
-             "eager-gated"]  # fmt: skip
+PROVIDERS = ["sigmoid-gated", "sigmoid", "sigmoid-bias", "sigmoid-gv", "cudnn", "flash",
+             "flex-gated", "sdpa-gated", "eager-gated"]  # fmt: skip
 CUDA_ONLY = {"cudnn", "flash", "flex-gated"}
 OP, GATE_OFF, FLEX, SDPA = "sigmoid-gated", "sigmoid", "flex-gated", "sdpa-gated"
 # (bar, numerator, denominator, threshold on the TFLOPS ratio); gate cost <= 10% in time.
@@ -87,6 +90,19 @@ def _sigmoid_gated(x: dict) -> torch.Tensor:
     kb, v = gate_halves(x)
     out_BHTD, _ = sigmoid_attention(x["q"], x["k"], v, x["lengths"], causal=True, key_bias_BT=kb)
     return out_BHTD
+
+
+def _gate_half(bias: bool) -> Callable:
+    """The fused kernel with one half of the gate: the key bias in the kernel, or ``g * v``."""
+
+    def run(x):
+        kb, gv = gate_halves(x)
+        v, key_bias = (x["v"], kb) if bias else (gv, None)
+        return sigmoid_attention(
+            x["q"], x["k"], v, x["lengths"], causal=True, key_bias_BT=key_bias
+        )[0]
+
+    return run
 
 
 def _sdpa(backend) -> Callable:
@@ -143,6 +159,8 @@ def provider_fn(name: str, x: dict) -> Callable[[dict], torch.Tensor] | None:
         return _sigmoid_gated
     if name == GATE_OFF:
         return lambda x: sigmoid_attention(x["q"], x["k"], x["v"], x["lengths"], causal=True)[0]
+    if name in ("sigmoid-bias", "sigmoid-gv"):
+        return _gate_half(bias=name == "sigmoid-bias")
     if name in ("cudnn", "flash"):
         return _sdpa(SDPBackend.CUDNN_ATTENTION if name == "cudnn" else SDPBackend.FLASH_ATTENTION)
     if name == FLEX:
