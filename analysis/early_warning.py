@@ -9,7 +9,7 @@ On a stable arm the table still lists where precursors fired: those are its fals
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Literal
 
 import numpy as np
@@ -120,9 +120,14 @@ def early_warning(
     )
 
 
-def first_warning(table: pd.DataFrame) -> tuple[str | None, int | None]:
-    """The precursor that fired first at or before the divergence, and its lead (steps)."""
+def first_warning(table: pd.DataFrame, skip: Collection[str] = ()) -> tuple[str | None, int | None]:
+    """The precursor that fired first at or before the divergence, and its lead (steps).
+
+    ``skip``: precursors not to name (``rates.warning_rates`` finds those that fire on too many
+    stable runs to mean anything).
+    """
     ahead = table[table["lead_steps"].notna() & (table["lead_steps"] >= 0)]
+    ahead = ahead[~ahead["precursor"].isin(list(skip))]
     if ahead.empty:
         return None, None
     best = ahead.sort_values(["lead_steps", "precursor"], ascending=[False, True]).iloc[0]

@@ -23,7 +23,6 @@ map.png: the fraction of failed runs (diverged or blow-up) per setting and arm.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -45,38 +44,13 @@ from stabilitylab.analysis.events import (  # noqa: E402
     load_summary,
     series,
 )
+from stabilitylab.analysis.settings import (  # noqa: E402
+    flatten,
+    varying_keys,
+    with_setting_ids,
+)
 
-IGNORED_PREFIXES = ("name", "preset", "out_dir", "arm", "backend", "resume", "fresh", "report",
-                    "allow_cpu", "trackers", "num_workers", "telemetry.", "train.seed",
-                    "train.checkpoint_every")  # fmt: skip
 OUTCOMES = ("diverged", "loss blow-up", "stable", "unfinished")
-
-
-def flatten(config: dict, prefix: str = "") -> dict:
-    """``{"model": {"d_model": 512}}`` -> ``{"model.d_model": 512}``; lists become JSON text
-    (hashable, so they can group runs)."""
-    out = {}
-    for k, v in config.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{key}."))
-        else:
-            out[key] = json.dumps(v) if isinstance(v, (list, tuple)) else v
-    return out
-
-
-def varying_keys(configs: list[dict]) -> list[str]:
-    """Flattened keys whose values differ between ``configs`` (bookkeeping keys excluded)."""
-    flat = [flatten(c) for c in configs]
-    keys = sorted(set().union(*flat))
-    keep = []
-    for k in keys:
-        if k.startswith(IGNORED_PREFIXES):
-            continue
-        values = {repr(f.get(k)) for f in flat}
-        if len(values) > 1:
-            keep.append(k)
-    return keep
 
 
 def outcome_of(
@@ -126,16 +100,6 @@ def run_table(paths: list[str | Path]) -> tuple[pd.DataFrame, list[str]]:
         )
     table = pd.DataFrame(rows).astype({"outcome_step": "Int64", "steps": "Int64"})
     return table.sort_values([*keys, "arm", "seed"], kind="stable").reset_index(drop=True), keys
-
-
-def with_setting_ids(runs: pd.DataFrame, keys: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """``runs`` with a ``setting`` column (S1, S2, ... in sorted order) and the settings table."""
-    if not keys:
-        settings = pd.DataFrame({"setting": ["S1"]})
-        return runs.assign(setting="S1"), settings
-    settings = runs[keys].drop_duplicates().reset_index(drop=True)
-    settings.insert(0, "setting", [f"S{i + 1}" for i in range(len(settings))])
-    return runs.merge(settings, on=keys, how="left"), settings
 
 
 def map_table(runs: pd.DataFrame) -> pd.DataFrame:

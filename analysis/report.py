@@ -5,7 +5,12 @@
 
 Writes report.md, summary.csv (one row per arm), early_warning.csv, scalars.csv (every scalar,
 tidy: run, arm, step, tag, value), figure.png (loss / grad norm / layer-0 max logit, divergence
-marked) and heatmap.png (per-layer max logit over steps, one panel per arm). Nothing missing
+marked) and heatmap.png (per-layer max logit over steps, one panel per arm). When the runs
+hold repeats of an arm (same arm and setting; seeds pool, see ``rates``), report.md opens with
+outcome rates per arm (fraction diverged, 95% Wilson interval, divergence steps) and the early
+warning over the repeats (lead, false-alarm rate on stable runs), also as rates.csv and
+warning_rates.csv; summary.csv gains a ``group`` column, and its first_warning leaves out any
+precursor that fired on more than ``rates.FALSE_ALARM_MAX`` of the stable runs. Nothing missing
 passes silently: an arm without an event file, or whose event files hold no scalar, keeps its
 row (status from summary.json, else ``no data``) with a note; an event file cut mid-record is
 named in report.md as well as in the printed warning; a missing tag leaves a panel empty with a
@@ -22,6 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from stabilitylab.analysis import markdown, plots
+from stabilitylab.analysis import rates as rates_mod
 from stabilitylab.analysis.cli import run_writer
 from stabilitylab.analysis.events import (
     EVENT_GLOB,
@@ -36,6 +42,12 @@ from stabilitylab.analysis.stats import SUMMARY_COLUMNS, arm_row
 REPORT_FILES = (
     "report.md", "summary.csv", "early_warning.csv", "scalars.csv", "figure.png", "heatmap.png",
 )  # fmt: skip
+BASIS_WORDS = {
+    "arm": "stable runs of this group",
+    "all stable runs": "stable runs of the report (this group has none)",
+}
+RATE_FILES = ("rates.csv", "warning_rates.csv")
+"""Written as well when an arm was repeated (``rates``)."""
 WARNING_COLUMNS = ["run", "arm", "precursor", "tag", "step", "divergence_step", "lead_steps"]
 
 
@@ -94,7 +106,8 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     """Write the report files for ``run_dirs`` and return their paths.
 
     Keys are the file names in ``REPORT_FILES`` (``"report.md"``, ``"summary.csv"``,
-    ``"early_warning.csv"``, ``"scalars.csv"``, ``"figure.png"``, ``"heatmap.png"``).
+    ``"early_warning.csv"``, ``"scalars.csv"``, ``"figure.png"``, ``"heatmap.png"``), and
+    ``RATE_FILES`` when an arm was repeated.
     ``out_dir`` defaults to ``<first run dir>/report``. Raises
     FileNotFoundError / ValueError naming the path when a run dir is missing or no arm under the
     run dirs logged a scalar.
@@ -115,6 +128,12 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / name for name in REPORT_FILES}
     summary, early = build_tables(df, summaries, [(run, arm) for _, run, arm in found])
+    rates = repeat_tables(found, summary, early)
+    if rates is not None:
+        summary = rates["summary"]
+        paths.update({name: out / name for name in RATE_FILES})
+        rates["rates"].to_csv(paths["rates.csv"], index=False)
+        rates["warning_rates"].to_csv(paths["warning_rates.csv"], index=False)
     divergence = {
         (r.run, r.arm): (None if pd.isna(r.divergence_step) else int(r.divergence_step))
         for r in summary.itertuples(index=False)
@@ -126,15 +145,83 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     summary.to_csv(paths["summary.csv"], index=False)
     early.to_csv(paths["early_warning.csv"], index=False)
     missing = data_notes(df, found, cut)
-    paths["report.md"].write_text(_markdown(summary, early, notes, found, missing))
+    paths["report.md"].write_text(_markdown(summary, early, notes, found, missing, rates))
     return paths
 
 
-def _markdown(summary, early, notes, found, missing) -> str:
+def repeat_tables(
+    found: list[tuple[Path, str, str]], summary: pd.DataFrame, early: pd.DataFrame
+) -> dict[str, pd.DataFrame] | None:
+    """The tables of a report over repeats, or None when no arm was repeated (``rates``).
+
+    Keys: ``summary`` (the per-run table with a ``group`` column and the first warning chosen
+    without the precursors that false-alarm on stable runs), ``rates``, ``warning_rates``,
+    ``settings``.
+    """
+    groups, settings = rates_mod.run_groups(found)
+    if not rates_mod.has_repeats(groups):
+        return None
+    warn = rates_mod.warning_rates(early, summary, groups)
+    summary = rates_mod.filter_first_warnings(summary, early, groups, warn)
+    keys = zip(summary["run"], summary["arm"], strict=True)
+    summary.insert(2, "group", [groups[k] for k in keys])
+    return {
+        "summary": summary,
+        "rates": rates_mod.outcome_rates(summary, groups),
+        "warning_rates": warn,
+        "settings": settings,
+    }
+
+
+def _rates_markdown(tables: dict[str, pd.DataFrame]) -> list[str]:
+    limit = rates_mod.FALSE_ALARM_MAX
+    lines = [
+        "",
+        "## Outcome rates over repeats",
+        "",
+        "A group is one arm at one setting: runs whose resolved configs agree in every key "
+        "but the seed, names and bookkeeping, so seeds pool and so do repeats of one seed. "
+        "n_runs counts finished runs (stable or diverged); the interval is the 95% Wilson "
+        "interval of the fraction diverged. first_warning: the precursor named first most "
+        "often on the group's diverged runs.",
+        "",
+        markdown.table(tables["rates"]),
+    ]
+    if len(tables["settings"].columns) > 1:
+        lines += ["", "Settings (the config keys the groups differ in):", ""]
+        lines.append(markdown.table(tables["settings"]))
+    lines += [
+        "",
+        "## Early warning over repeats",
+        "",
+        "Per group and precursor, over the runs with its data: n_warned of n_diverged runs "
+        "warned at or before the divergence, with the lead in steps (median, min, max over "
+        "those); n_false_alarm of n_stable runs where it fired at all, with the 95% Wilson "
+        "interval. false_alarm_basis: the stable runs judged on (`arm`: the group's own; "
+        "`all stable runs`: the report's, where the group has none; `-`: none at all). "
+        f"A precursor with a false-alarm rate above {limit:.0%} is not named in the "
+        "first_warning columns (`named` false): it fires whether or not a run diverges.",
+        "",
+        markdown.table(tables["warning_rates"]),
+    ]
+    skipped = tables["warning_rates"][~tables["warning_rates"]["named"]]
+    if not skipped.empty:
+        lines += ["", "Not named as first warning:", ""]
+        lines += [
+            f"- `{r.precursor}` for `{r.group}`: fired on {r.n_false_alarm} of {r.n_stable} "
+            f"{BASIS_WORDS[r.false_alarm_basis]}, {r.false_alarm_rate:.0%} > {limit:.0%}"
+            for r in skipped.itertuples(index=False)
+        ]
+    return lines
+
+
+def _markdown(summary, early, notes, found, missing, rates=None) -> str:
     lines = ["# Stability report", "", "Runs:"]
     lines += [f"- `{d}` (run `{run}`, arm `{arm}`)" for d, run, arm in found]
     if missing:
         lines += ["", "## Missing or cut data", "", *[f"- {m}" for m in missing]]
+    if rates is not None:
+        lines += _rates_markdown(rates)
     lines += [
         "",
         "## Per arm",
@@ -142,7 +229,10 @@ def _markdown(summary, early, notes, found, missing) -> str:
         "Max and growth (= max / median of the first 10 logged points) are over the logged "
         "points, so they can sit below summary.json's every-step maxima. Status and divergence "
         "step from summary.json when present; detected_step = `detectors.diverged` on the "
-        "logged loss and grad norm.",
+        "logged loss and grad norm."
+        + (
+            " first_warning leaves out the precursors not named above." if rates is not None else ""
+        ),
         "",
         markdown.table(summary),
         "",

@@ -1,0 +1,54 @@
+"""What a run's *setting* is: the resolved-config keys in which a set of runs differ.
+
+Every config key whose value is not the same in all runs counts, except the arm, the seed and
+bookkeeping (names, paths, cadences of telemetry and checkpoints). Runs of one arm and one
+setting are repeats of each other: seeds pool, and so do reruns of one seed. The stability map
+(``map``) and the outcome rates (``rates``) both group runs this way.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+IGNORED_PREFIXES = ("name", "preset", "out_dir", "arm", "backend", "resume", "fresh", "report",
+                    "allow_cpu", "trackers", "num_workers", "telemetry.", "train.seed",
+                    "train.checkpoint_every")  # fmt: skip
+
+
+def flatten(config: dict, prefix: str = "") -> dict:
+    """``{"model": {"d_model": 512}}`` -> ``{"model.d_model": 512}``; lists become JSON text
+    (hashable, so they can group runs)."""
+    out = {}
+    for k, v in config.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{key}."))
+        else:
+            out[key] = json.dumps(v) if isinstance(v, (list, tuple)) else v
+    return out
+
+
+def varying_keys(configs: list[dict]) -> list[str]:
+    """Flattened keys whose values differ between ``configs`` (bookkeeping keys excluded)."""
+    flat = [flatten(c) for c in configs]
+    keys = sorted(set().union(*flat))
+    keep = []
+    for k in keys:
+        if k.startswith(IGNORED_PREFIXES):
+            continue
+        values = {repr(f.get(k)) for f in flat}
+        if len(values) > 1:
+            keep.append(k)
+    return keep
+
+
+def with_setting_ids(runs: pd.DataFrame, keys: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``runs`` with a ``setting`` column (S1, S2, ... in row order) and the settings table."""
+    if not keys:
+        settings = pd.DataFrame({"setting": ["S1"]})
+        return runs.assign(setting="S1"), settings
+    settings = runs[keys].drop_duplicates().reset_index(drop=True)
+    settings.insert(0, "setting", [f"S{i + 1}" for i in range(len(settings))])
+    return runs.merge(settings, on=keys, how="left"), settings
