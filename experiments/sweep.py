@@ -5,10 +5,26 @@ then summarise them with analysis/sweep.py.
         --lr 1e-4 3e-4 1e-3 3e-3 1e-2 --arms softmax sigmoid --qk-ln False True --seeds 1 2 \
         --parallel 16 -- --train.steps=1000
 
-Each run is `experiments/stress_8k.py --arm A --name <name>/<tag>` with its overrides, so every run
-is an ordinary run directory (config, provenance, events, summary.json) under runs/<name>/.
+Each run is `experiments/stress_8k.py --arm A --name <name>__<tag>` with its overrides, so every
+run is an ordinary run directory (config, provenance, events, summary.json) at
+<out_dir>/<name>__<tag>/<arm>/, tag = lr<lr>_qk<0|1>_s<seed>[_r<k>].
 Expected (Wortsman et al. 2023): without QK-LayerNorm the final loss rises at high lr; with it the
 curve is flatter. Whether sigmoid behaves like softmax here is what the sweep measures.
+
+Outcome rates instead of single draws: ``--repeats K`` runs each grid point K times, with seeds
+s, s+1, ..., s+K-1 for every --seeds s, or with ``--same_seed`` K times with the seed s itself
+(tag ``..._s<s>_r<k>``, k = 0..K-1): where the backend is not bit-reproducible (SDPA's backward at
+lr 0.1 in docs/RESULTS.md, 3a) the outcome of one seed is itself a draw. The report groups
+repeats by their resolved config (same arm, same config but for the seed and names), not by the
+run names, and writes per arm the fraction diverged with its 95% Wilson interval, the divergence
+steps and the early warning across repeats to <out_dir>/<name>__rates/:
+
+    PYTHONPATH=. python3 experiments/sweep.py --name rep --preset diverge_fast --lr 0.1 \
+        --arms softmax --seeds 1 --repeats 8 --same_seed --parallel 8 -- \
+        --softmax_backend=softmax --train.checkpoint_every=0
+    # expected (3a): seed 1 through SDPA diverged in 3 of 6 runs: a rate near 1/2, interval +-0.3
+
+``--dry_run`` prints the runs without starting them.
 """
 
 from __future__ import annotations
@@ -25,10 +41,35 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def run_seeds(seeds: list[int], repeats: int, same_seed: bool) -> list[tuple[int, int | None]]:
+    """``(seed, repeat index)`` of the runs at one grid point: each seed s gives s, s+1, ...,
+    s+repeats-1 (index None: the seed tells them apart), or with ``same_seed`` s ``repeats``
+    times (index 0..repeats-1). Raises ValueError when two seeds' ranges overlap."""
+    if same_seed:
+        return [(s, r) for s in seeds for r in range(repeats)]
+    out = [s + r for s in seeds for r in range(repeats)]
+    twice = sorted({s for s in out if out.count(s) > 1})
+    if twice:
+        raise ValueError(
+            f"--seeds {' '.join(map(str, seeds))} with --repeats {repeats} give seed(s) {twice} "
+            f"more than once; space the seeds at least {repeats} apart, or use --same_seed"
+        )
+    return [(s, None) for s in out]
+
+
 def grid(args) -> list[tuple[str, list[str]]]:
+    """``(label, stress_8k.py arguments)`` per run: every lr x arm x qk-ln x seed (x repeat)."""
     jobs = []
-    for lr, arm, qk, seed in itertools.product(args.lr, args.arms, args.qk_ln, args.seeds):
-        tag = f"lr{lr:g}_qk{int(qk == 'True')}_s{seed}"
+    seeds = run_seeds(args.seeds, args.repeats, args.same_seed)
+    for lr, arm, qk, (seed, rep) in itertools.product(args.lr, args.arms, args.qk_ln, seeds):
+        tag = f"lr{lr:g}_qk{int(qk == 'True')}_s{seed}" + ("" if rep is None else f"_r{rep}")
         jobs.append(
             (
                 f"{tag}/{arm}",
@@ -66,7 +107,7 @@ def run_one(job, log_dir: Path) -> tuple[str, int, float]:
     return label, rc, time.time() - t0
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -79,10 +120,34 @@ def main() -> int:
     )
     ap.add_argument("--qk-ln", nargs="+", default=["False"], choices=["False", "True"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[42])
-    ap.add_argument("--parallel", type=int, default=8)
+    ap.add_argument(
+        "--repeats", type=positive_int, default=1, metavar="K",
+        help="runs per grid point and seed: seeds s, s+1, ..., s+K-1 (default 1)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--same_seed", action="store_true",
+        help="K runs of each seed itself (a nondeterministic backend, e.g. SDPA's backward)",
+    )  # fmt: skip
+    ap.add_argument("--parallel", type=positive_int, default=8)
+    ap.add_argument("--dry_run", action="store_true", help="print the runs and exit")
     ap.add_argument("extra", nargs="*", help="overrides passed to every run (after --)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.same_seed and args.repeats < 2:
+        ap.error("--same_seed needs --repeats K with K >= 2")
+    try:
+        run_seeds(args.seeds, args.repeats, args.same_seed)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     jobs = grid(args)
+    if args.dry_run:
+        for label, argv_run in jobs:
+            print(f"{label:40s} {' '.join(argv_run)}")
+        return 0
     log_dir = Path(args.out_dir) / f"{args.name}__logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"{len(jobs)} runs, {args.parallel} at a time")
@@ -95,6 +160,10 @@ def main() -> int:
     from stabilitylab.analysis.sweep import main as sweep_main
 
     sweep_main([*dirs, "--out", str(Path(args.out_dir) / f"{args.name}__report")])
+    if args.repeats > 1:
+        from stabilitylab.analysis.report import main as report_main
+
+        report_main([*dirs, "--out", str(Path(args.out_dir) / f"{args.name}__rates")])
     return 1 if failed else 0
 
 
