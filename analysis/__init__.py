@@ -5,6 +5,8 @@ warning, the per-run report and the LR sweep.
     python analysis/sweep.py runs/            # -> runs/sweep/
 
 Modules: ``events`` (reading), ``detectors`` (pure numpy rules, also used online by the
-trainer), ``early_warning``, ``stats``, ``plots``, ``markdown``, ``report``, ``sweep``.
+trainer), ``early_warning``, ``stats``, ``settings`` (the config keys runs differ in), ``rates``
+(outcome rates and false alarms over repeated runs), ``plots``, ``markdown``, ``report``,
+``sweep``, ``map``.
 Importing this package loads nothing heavy; ``plots`` / ``report`` / ``sweep`` pull in matplotlib.
 """
