@@ -1,0 +1,101 @@
+"""Several KV-eviction studies side by side: the spread across seeds, and ablations beside a run.
+
+    python analysis/kv_compare.py runs/kv_reduced/study runs/kv_reduced_seed1/study \\
+        --out runs/kv_compare/seeds                       # mean, std, min, max per cell
+
+Each argument is a study directory (``experiments/kv_study.py`` writes ``runs/<name>/study/``)
+holding ``table1.csv`` and ``table2.csv``. Their rows are concatenated with a ``run`` column (the
+run name, the study directory's parent), then every numeric column is summarised per cell over
+the runs: ``mean``, ``std`` (sample, ddof 1; NaN with one run), ``min``, ``max`` and ``n``. Writes
+``<table>_runs.csv`` (all rows), ``<table>_spread.csv`` and ``compare.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from stabilitylab.analysis.markdown import table as markdown_table
+
+TABLES = ("table1", "table2")
+KEY = "cell"
+
+
+def run_name(study_dir: Path) -> str:
+    """``runs/kv_reduced_seed1/study`` -> ``kv_reduced_seed1``."""
+    return study_dir.resolve().parent.name
+
+
+def read_tables(study_dirs: Sequence[str | Path], name: str) -> pd.DataFrame:
+    """Table ``name`` of every study, concatenated, with the run each row came from."""
+    frames = []
+    for d in map(Path, study_dirs):
+        path = d / f"{name}.csv"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: is {d} a study directory?")
+        frames.append(pd.read_csv(path).assign(run=run_name(d)))
+    runs = [f["run"].iloc[0] for f in frames if len(f)]
+    if len(set(runs)) != len(runs):
+        raise ValueError(f"two study directories come from the same run: {sorted(runs)}")
+    return pd.concat(frames, ignore_index=True)
+
+
+def spread(df: pd.DataFrame, key: str = KEY) -> pd.DataFrame:
+    """Per ``key`` value, each numeric column's mean, std (ddof 1), min, max over the rows, and
+    the number of runs; one column per (statistic, quantity), named ``<quantity>_<stat>``."""
+    if key not in df.columns:
+        raise ValueError(f"no {key!r} column to group by (columns: {list(df.columns)})")
+    numeric = [c for c in df.select_dtypes("number").columns if c != key]
+    grouped = df.groupby(key, sort=False)
+    out = grouped[numeric].agg(["mean", "std", "min", "max"])
+    out.columns = [f"{q}_{stat}" for q, stat in out.columns]
+    out.insert(0, "n_runs", grouped["run"].nunique())
+    return out.reset_index()
+
+
+def mean_pm_std(sp: pd.DataFrame, quantities: Sequence[str], key: str = KEY) -> pd.DataFrame:
+    """A compact view for markdown: ``mean ± std`` per quantity (``mean`` alone with one run)."""
+    rows = []
+    for r in sp.itertuples(index=False):
+        row = {key: getattr(r, key), "runs": r.n_runs}
+        for q in quantities:
+            m, s = getattr(r, f"{q}_mean"), getattr(r, f"{q}_std")
+            row[q] = f"{m:.4g}" if pd.isna(s) else f"{m:.4g} ± {s:.2g}"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def write_compare(study_dirs: Sequence[str | Path], out: str | Path) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = [f"# KV-eviction studies compared: {', '.join(map(str, study_dirs))}", ""]
+    for name in TABLES:
+        df = read_tables(study_dirs, name)
+        sp = spread(df)
+        df.to_csv(out / f"{name}_runs.csv", index=False)
+        sp.to_csv(out / f"{name}_spread.csv", index=False)
+        quantities = [c[: -len("_mean")] for c in sp.columns if c.endswith("_mean")]
+        parts += [f"## {name}: mean ± std over runs", "", markdown_table(mean_pm_std(sp, quantities)), ""]  # fmt: skip
+    path = out / "compare.md"
+    path.write_text("\n".join(parts))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("study_dirs", nargs="+", help="study directories (runs/<name>/study)")
+    p.add_argument("--out", required=True, help="where compare.md and the CSVs go")
+    args = p.parse_args(argv)
+    try:
+        path = write_compare(args.study_dirs, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        p.error(str(e))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
