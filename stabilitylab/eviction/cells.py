@@ -113,9 +113,9 @@ def _check_decoder_config(resolved: dict, cell_dir: Path) -> None:
     model = resolved.get("model", {})
     if not model.get("causal", False):
         raise StudyError(
-            f"{cell_dir} is an encoder (masked-LM) checkpoint (model.causal=False, data.source="
-            f"{resolved.get('data', {}).get('source')}); the study needs a causal decoder "
-            "trained by experiments/kv_eviction.py"
+            f"{cell_dir} is an encoder (masked-LM) checkpoint; the study needs a causal decoder "
+            f"(this one has model.causal=False, data.source="
+            f"{resolved.get('data', {}).get('source')}; experiments/kv_eviction.py trains them)"
         )
     if resolved.get("arm") != cell_dir.name:
         raise StudyError(
