@@ -186,6 +186,16 @@ def test_baselines_at_full_budget_reproduce_the_dense_ppl(evicting):
         assert r.ppl == pytest.approx(dense.ppl, rel=1e-12), policy.name
 
 
+def test_a_gated_cell_without_its_backbone_gets_nan_baselines_and_a_note(evicting):
+    cells, inputs, _ = evicting
+    result = run_study({"sig-g-rope": cells["sig-g-rope"]}, inputs, timing=False)
+    row = result.table2.iloc[0]
+    assert row["backbone"] == "sig-rope" and "sig-rope not trained" in row["note"]
+    for col in ("backbone_test_ppl", "h2o_test_ppl", "keydiff_test_ppl", "h2o_delta_ppl"):
+        assert np.isnan(row[col]), col
+    assert np.isfinite(row["test_ppl_tau_star"]) and result.decode_speed.empty
+
+
 def test_write_study_adds_the_probe_tables_and_figures(evicting, tmp_path):
     _, _, result = evicting
     fig = tmp_path / "fig2.png"
