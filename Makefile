@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements/cpu.txt pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo kv-demo test setup data bench bench-kernels lint clean
+.PHONY: demo kv-demo kv-study test setup data bench bench-kernels lint clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,11 @@ demo: $(STAMP)
 # The KV-eviction study's 8 cells on the shipped text sample (CPU, about a minute; no corpus).
 kv-demo: $(STAMP)
 	$(PY) experiments/kv_eviction.py --preset tiny
+
+# The KV-eviction study in one command on the CPU: the tiny cells (trained unless they are),
+# then the tables and Figure 1 under runs/kv_tiny/study/.
+kv-study: $(STAMP)
+	$(PY) experiments/kv_study.py --preset tiny
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -2,6 +2,7 @@
 
     stabilitylab-train --preset smoke          # = python experiments/stress_8k.py --preset smoke
     python experiments/kv_eviction.py --preset tiny     # kv_main: the KV-eviction study
+    stabilitylab-kv-study --preset tiny        # = python experiments/kv_study.py: train + study
     stabilitylab-report runs/smoke             # = python analysis/report.py runs/smoke
     stabilitylab-sweep runs/                   # = python analysis/sweep.py runs/
 
@@ -29,6 +30,13 @@ KV_DESCRIPTION = (
     "and batches; a preset sets every default, --section.key=value overrides one, --cells picks "
     "cells; then the summary table and the report over the cells."
 )
+KV_STUDY_DESCRIPTION = (
+    "The KV-eviction study in one command: train the cells not trained yet (a rerun resumes and "
+    "skips finished cells), then evaluate them: dense decode-window perplexity (Table 1), the "
+    "validation tau sweep (Table 5), tau* frozen and run on test against the dense backbone and "
+    "H2O / KeyDiff at the matched budget (Table 2), decode wall-clock, Figure 1; written to "
+    "<out_dir>/<name>/study/. The study.* keys set the windows and sizes."
+)
 USAGE_ERROR = 2
 """Exit code of a refused input (argparse and tyro use it too)."""
 EXIT_INTERRUPTED = 75
@@ -37,15 +45,16 @@ EXIT_INTERRUPTED = 75
 
 def _input_errors() -> tuple[type[Exception], ...]:
     """Errors that mean bad input (config, data, checkpoint, resume), not a bug."""
+    from stabilitylab.eviction.cells import StudyError
     from stabilitylab.train.checkpoint import CheckpointError
     from stabilitylab.train.resume import ResumeError
 
-    return (ConfigError, DataError, CheckpointError, ResumeError)
+    return (ConfigError, DataError, CheckpointError, ResumeError, StudyError)
 
 
 @contextlib.contextmanager
 def cli_errors() -> Iterator[None]:
-    """Turn bad input (ConfigError, DataError, CheckpointError, ResumeError) into
+    """Turn bad input (ConfigError, DataError, CheckpointError, ResumeError, StudyError) into
     ``error: <message>`` and ``SystemExit(2)``.
 
     A context manager and a decorator::
@@ -78,18 +87,7 @@ def train_main(
     """
     with cli_errors():
         cfg = parse(argv, default_preset=default_preset, description=description)
-        import torch
-
-        from stabilitylab.presets import CPU_PRESETS
-
-        if not torch.cuda.is_available() and cfg.preset not in CPU_PRESETS and not cfg.allow_cpu:
-            cpu_preset = "tiny" if cfg.task == "lm" else "smoke"
-            print(
-                f"error: preset {cfg.preset!r} needs a CUDA GPU and none is visible. "
-                f"On a CPU, run the CPU-sized preset: --preset {cpu_preset} "
-                "(or --allow_cpu=True to run this one slowly)",
-                file=sys.stderr,
-            )
+        if not _device_ok(cfg):
             return USAGE_ERROR
         from stabilitylab.train import run  # after the checks: refuse at once, before heavy imports
 
@@ -99,10 +97,60 @@ def train_main(
     return 0 if summaries else 1
 
 
+def _device_ok(cfg) -> bool:
+    """False (after one ``error:`` line) for a GPU preset on a machine without CUDA."""
+    import torch
+
+    from stabilitylab.presets import CPU_PRESETS
+
+    if not torch.cuda.is_available() and cfg.preset not in CPU_PRESETS and not cfg.allow_cpu:
+        cpu_preset = "tiny" if cfg.task == "lm" else "smoke"
+        print(
+            f"error: preset {cfg.preset!r} needs a CUDA GPU and none is visible. "
+            f"On a CPU, run the CPU-sized preset: --preset {cpu_preset} "
+            "(or --allow_cpu=True to run this one slowly)",
+            file=sys.stderr,
+        )
+        return False
+    return True
+
+
 def kv_main(argv: list[str] | None = None) -> int:
     """The KV-eviction study (``experiments/kv_eviction.py``): ``train_main`` with its presets'
     default (reduced) and description."""
     return train_main(argv, default_preset="reduced", description=KV_DESCRIPTION)
+
+
+def kv_study_main(argv: list[str] | None = None) -> int:
+    """The KV-eviction study in one command (``experiments/kv_study.py``): train the cells not
+    trained yet (resuming; finished cells are skipped), then, on the main process only, load
+    them and write ``<out_dir>/<name>/study/``. Exit codes as ``kv_main``: 0, 2 (bad input, one
+    ``error:`` line), 75 (stopped by a signal: the study is not run; rerun to resume)."""
+    with cli_errors():
+        cfg = parse(argv, default_preset="reduced", description=KV_STUDY_DESCRIPTION)
+        if not _device_ok(cfg):
+            return USAGE_ERROR
+        if cfg.task != "lm":
+            raise ConfigError(
+                f"config data.source: the KV-eviction study trains on text, got "
+                f"{cfg.data.source!r} (preset {cfg.preset!r}); pick --preset tiny, reduced or paper"
+            )
+        import torch
+        from accelerate import PartialState
+
+        from stabilitylab.train import run
+
+        main = PartialState(cpu=not torch.cuda.is_available()).is_main_process
+        summaries = run(cfg)
+        if any(s.get("interrupted_by_signal") for s in summaries.values()):
+            return EXIT_INTERRUPTED
+        if not main:
+            return 0
+        from stabilitylab.analysis.kv_study import study_report
+
+        paths = study_report(cfg, progress=True)
+        print(f"study: {paths['study.md']}")
+    return 0
 
 
 def report_main(argv: list[str] | None = None) -> int:

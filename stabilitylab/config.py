@@ -386,6 +386,65 @@ class TelemetryConfig:
         _check(self.flush_secs > 0, "telemetry.flush_secs", "must be positive")
 
 
+@dataclass
+class StudyConfig:
+    """The KV-eviction study's evaluation (``experiments/kv_study.py``); training ignores it."""
+
+    prefill: int = 0
+    """Tokens each evaluation window prefills before the decode (0 = half of data.context_len)."""
+    window: int = 0
+    """Tokens decoded one at a time and scored after the prefill (0 = the rest of the context)."""
+    val_windows: int = 0
+    """Validation windows of the tau sweep, the first ones of the split in order (0 = all)."""
+    test_windows: int = 0
+    """Test windows of the frozen tau*, the dense models and the baselines (0 = all)."""
+    batch_size: int = 64
+    """Windows decoded together (they move in lock step; memory grows with it)."""
+    probe_windows: int = 50
+    """Test windows the diagnostics (support removal, row-sum CV, gates) read."""
+    probe_ps: tuple[float, ...] = (0.1, 0.3, 0.5)
+    """Fractions of K/V positions the random support removal takes out (each in (0, 1))."""
+    seed: int = 0
+    """Seed of the diagnostics' random draws (the eviction itself draws none)."""
+
+    def __post_init__(self) -> None:
+        check_finite(self, "study.")
+        self.probe_ps = tuple(self.probe_ps)  # a list when read back from config.json
+        for k in ("prefill", "window", "val_windows", "test_windows", "seed"):
+            _check(getattr(self, k) >= 0, f"study.{k}", f"must be >= 0, got {getattr(self, k)}")
+        _check(self.batch_size > 0, "study.batch_size", f"must be positive, got {self.batch_size}")
+        _check(
+            self.probe_windows > 0,
+            "study.probe_windows",
+            f"must be positive, got {self.probe_windows}",
+        )
+        _check(bool(self.probe_ps), "study.probe_ps", "needs at least one fraction")
+        for p in self.probe_ps:
+            _check(
+                isinstance(p, (int, float)) and math.isfinite(p),
+                "study.probe_ps",
+                f"must be a finite number, got {p!r}",
+            )
+            _check(0.0 < p < 1.0, "study.probe_ps", f"every fraction must be in (0, 1), got {p}")
+
+    def decode_split(self, context_len: int) -> tuple[int, int]:
+        """``(prefill, window)`` at ``context_len`` with the zeros resolved; the pair must fit
+        the context (the decode reads ``prefill + window`` inputs and scores ``window`` tokens)."""
+        prefill = self.prefill or context_len // 2
+        window = self.window or context_len - prefill
+        _check(
+            prefill < context_len,
+            "study.prefill",
+            f"must be < data.context_len={context_len} to leave a window, got {prefill}",
+        )
+        _check(
+            prefill + window <= context_len,
+            "study.window",
+            f"prefill + window = {prefill} + {window} exceeds data.context_len={context_len}",
+        )
+        return prefill, window
+
+
 ARMS = ("softmax", "sigmoid")
 """The stress study's arms (cells data): the attention kind, nothing else changes."""
 CELLS = (
@@ -455,6 +514,9 @@ class Config:
     """Optimizer, schedule, batch, precision, checkpoints."""
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     """What is logged and how often."""
+    study: StudyConfig = field(default_factory=StudyConfig)
+    """KV-eviction study only: decode windows, sweep and test sizes, diagnostics; training
+    ignores it (a trained cell resumes whatever these keys say)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -474,6 +536,8 @@ class Config:
             if dataclasses.is_dataclass(section):
                 check_finite(section, f"{f.name}.")
         self._check_task()
+        if self.task == "lm":
+            self.study.decode_split(self.data.context_len)
 
     def _check_task(self) -> None:
         """The model, the arms and validation agree with the task the data implies."""
@@ -549,14 +613,19 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "telemetry": TelemetryConfig,
+    "study": StudyConfig,
+}
+"""The config's sections by key; a saved config without ``study`` (older runs) gets its defaults."""
+
+
 def from_dict(d: dict) -> Config:
-    return Config(
-        **{k: v for k, v in d.items() if k not in ("model", "data", "train", "telemetry")},
-        model=ModelConfig(**d["model"]),
-        data=DataConfig(**d["data"]),
-        train=TrainConfig(**d["train"]),
-        telemetry=TelemetryConfig(**d["telemetry"]),
-    )
+    sections = {k: cls(**d[k]) for k, cls in SECTIONS.items() if k in d}
+    return Config(**{k: v for k, v in d.items() if k not in SECTIONS}, **sections)
 
 
 def _preset_from_argv(argv: list[str], default: str) -> str:

@@ -16,6 +16,7 @@ from stabilitylab.config import (
     Config,
     DataConfig,
     ModelConfig,
+    StudyConfig,
     TelemetryConfig,
     TrainConfig,
 )
@@ -174,6 +175,9 @@ def kv_paper() -> Config:
         telemetry=TelemetryConfig(
             log_every=10, layer_every=100, logit_every=100, probe_every=500, val_every=250
         ),
+        # The whole val and test splits (the paper: 100K and 1M tokens); 50 probe sequences
+        # as the paper's support removal.
+        study=StudyConfig(batch_size=128, probe_windows=50),
     )
 
 
@@ -211,6 +215,8 @@ def kv_reduced() -> Config:
         telemetry=TelemetryConfig(
             log_every=10, layer_every=50, logit_every=50, probe_every=200, val_every=100
         ),
+        # 64 x 257 = 16K validation and 128 x 257 = 33K test tokens scored by the decode.
+        study=StudyConfig(val_windows=64, test_windows=128, batch_size=64, probe_windows=16),
     )
 
 
@@ -250,6 +256,8 @@ def kv_tiny() -> Config:
             probe_tokens=32,
             val_every=25,
         ),  # fmt: skip
+        # Every window of the sample's splits (3 of 32 + 32 + 1 tokens each).
+        study=StudyConfig(batch_size=8, probe_windows=3),
     )
 
 

@@ -271,7 +271,7 @@ def test_a_missing_corpus_names_the_command_that_builds_it(tmp_path, monkeypatch
 
 
 def _script(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "250"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400"}  # one line per option
     return subprocess.run(
         [sys.executable, "experiments/kv_eviction.py", *args],
         capture_output=True, text=True, cwd=ROOT, timeout=120, env=env,

@@ -41,7 +41,7 @@ FREE_KEYS = (
     "train.checkpoint_every",
     "train.peak_tflops",
 )
-FREE_PREFIXES = ("telemetry.",)
+FREE_PREFIXES = ("telemetry.", "study.")  # what is logged; how the trained cells are evaluated
 
 
 class ResumeError(ValueError):

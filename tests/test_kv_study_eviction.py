@@ -1,0 +1,313 @@
+"""The KV-eviction study's eviction side on CPU: one tiny 8-cell run (30 steps) per module, the
+study's command on it (tables, Figure 1, study.md), the tables' consistency, a grid that really
+evicts, and the refusals (tau, budget, configs, an encoder, an unfinished cell)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from stabilitylab import config as C
+from stabilitylab.analysis.kv_study import FIG1, PROBE_HOOK, write_study
+from stabilitylab.cli import kv_study_main
+from stabilitylab.eviction import (
+    H2O,
+    MAX_DELTA_PPL,
+    TAU_GRID,
+    Budget,
+    KeyDiff,
+    NoEviction,
+    evaluate,
+    evaluate_baseline,
+    full_budget,
+    matched_budget,
+    select_tau_index,
+)
+from stabilitylab.eviction.cells import StudyError, dense_backbone, load_cell, load_cells
+from stabilitylab.eviction.study import run_study, study_inputs
+from stabilitylab.train import run
+from stabilitylab.train.resume import config_changes
+from tests.tiny_runs import arm_dir
+from tests.tiny_runs import tiny as smoke
+
+STEPS = 30
+STUDY = [
+    "--study.val_windows=2", "--study.test_windows=2", "--study.batch_size=2",
+    "--study.prefill=16", "--study.window=16",
+]  # fmt: skip
+TABLES = ("table1", "table2", "table5", "decode_speed")
+GATED = [c for c in C.CELLS if "-g-" in c]
+EVICTING_GRID = (0.0, 0.5, 0.993, 0.9935, 1.0)
+"""After 30 steps every gate is near sigmoid(5) = 0.9933: the grid's points around it evict a
+part of the tokens, 1.0 evicts every gated entry."""
+
+
+def tiny(out_dir, *overrides) -> C.Config:
+    return C.parse(
+        ["--preset", "tiny", f"--out_dir={out_dir}", f"--train.steps={STEPS}", "--report=False",
+         *overrides]
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The 8 tiny cells, trained once, then the study's command over them with other study.*
+    values than the training saw (a trained cell must not refuse to resume for those)."""
+    out = tmp_path_factory.mktemp("kvstudy")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models on a small shared CPU: one thread is faster
+    try:
+        run(tiny(out))
+        argv = ["--preset", "tiny", f"--out_dir={out}", f"--train.steps={STEPS}", "--report=False"]
+        code = kv_study_main([*argv, *STUDY])
+        yield tiny(out, *STUDY), out / "kv_tiny", code
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def evicting(trained):
+    """The study of one gated cell and its backbone on a grid that evicts."""
+    cfg, run_dir, _ = trained
+    cells = load_cells(run_dir, ["sig-rope", "sig-g-rope"], expect=cfg)
+    inputs = study_inputs(cfg, cells, grid=EVICTING_GRID)
+    return cells, inputs, run_study(cells, inputs)
+
+
+def read(run_dir: Path, name: str) -> pd.DataFrame:
+    return pd.read_csv(run_dir / "study" / f"{name}.csv")
+
+
+# ---- the command and its files ----------------------------------------------------------------
+
+
+def test_the_study_command_writes_every_table_and_figure(trained):
+    _, run_dir, code = trained
+    assert code == 0
+    d = run_dir / "study"
+    for name in TABLES:
+        assert (d / f"{name}.md").read_text().startswith(f"| {read(run_dir, name).columns[0]} |")
+    assert len(read(run_dir, "table1")) == 8 and len(read(run_dir, "table2")) == 4
+    assert len(read(run_dir, "table5")) == 4 * 15 and len(read(run_dir, "decode_speed")) == 4
+    assert (d / FIG1).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (d / "study.md").read_text()
+    assert PROBE_HOOK in md and f"]({FIG1})" in md
+    assert all(f"## {name}" in md for name in TABLES)
+    assert "2 validation and 2 test windows" in md
+
+
+def test_the_tables_agree_with_each_other(trained):
+    _, run_dir, _ = trained
+    t1 = read(run_dir, "table1").set_index("cell")
+    t2, t5 = read(run_dir, "table2"), read(run_dir, "table5")
+    assert (t1["n_windows"] == 2).all() and (t1["n_targets"] == 2 * 16).all()
+    assert t1["test_ppl"].between(1, 595).all()  # better than uniform over the 595 ids
+    for col in ("compression", "compression_evictable", "compression_L0", "compression_L1"):
+        assert t5[col].between(0, 1).all(), col
+    assert (t5["compression_L0"] == 0).all(), "no gate precedes layer 0"
+    for _, row in t2.iterrows():
+        assert row["backbone"] == dense_backbone(row["cell"])
+        assert row["test_ppl_tau0"] == pytest.approx(t1.loc[row["cell"], "test_ppl"], rel=1e-12)
+        assert row["backbone_test_ppl"] == pytest.approx(t1.loc[row["backbone"], "test_ppl"])
+        sweep = t5[t5["cell"] == row["cell"]]
+        assert list(sweep["tau"]) == list(TAU_GRID)
+        assert sweep.loc[sweep["selected"], "tau"].tolist() == [row["tau_star"]]
+        if row["test_compression"] == 0:  # tiny gates stay above every grid point: full budget
+            assert row["h2o_test_ppl"] == pytest.approx(row["backbone_test_ppl"], rel=1e-9)
+            assert row["keydiff_test_ppl"] == pytest.approx(row["backbone_test_ppl"], rel=1e-9)
+    speed = read(run_dir, "decode_speed")
+    assert (speed[["dense_s", "tau_star_s", "dense_tokens_per_s"]] > 0).all().all()
+    np.testing.assert_allclose(speed["live_kv_ratio"], 1 - speed["compression"], rtol=1e-9)
+
+
+# ---- a grid that evicts -----------------------------------------------------------------------
+
+
+def test_a_grid_that_evicts_selects_tau_star_by_the_rule(evicting):
+    _, _, result = evicting
+    t5 = result.table5
+    assert list(t5["tau"]) == list(EVICTING_GRID)
+    comp = t5["compression"].to_numpy()
+    # Two layers: the only gate is layer 0's, which no eviction changes, so what tau evicts
+    # grows with tau; tau = 1 evicts every entry of layer 1, half of all.
+    assert (np.diff(comp) >= 0).all() and comp[-1] == 0.5 and comp[0] == 0
+    assert 0 < comp[2] < 0.5
+    i = select_tau_index(list(t5["tau"]), list(t5["ppl"]), list(comp))
+    row = result.table2.iloc[0]
+    assert row["tau_star"] == t5["tau"][i] and t5["selected"].tolist() == [
+        k == i for k in range(len(t5))
+    ]
+    assert t5["delta_ppl"][i] < MAX_DELTA_PPL
+    assert not ((t5["delta_ppl"] < MAX_DELTA_PPL) & (t5["compression"] > comp[i])).any()
+
+
+def test_the_baselines_keep_the_matched_number_of_entries(evicting):
+    """A budget matched to the sweep's tau = 0.993 (some tokens evicted, some kept): H2O and
+    KeyDiff on the backbone end with exactly the gate's live entries per window and layer."""
+    cells, inputs, result = evicting
+    sweep = result.gated["sig-g-rope"].sweep
+    gate = sweep.results[sweep.taus.index(0.993)]
+    assert 0 < gate.compression < 0.5
+    for policy in (H2O(), KeyDiff()):
+        r = evaluate_baseline(cells["sig-rope"].model, inputs.val, policy, matched_budget(gate))
+        np.testing.assert_array_equal(r.live_NL, gate.live_NL)
+        assert r.compression == gate.compression and r.window_indices == gate.window_indices
+    row = result.table2.iloc[0]
+    assert row["h2o_compression"] == row["keydiff_compression"] == row["test_compression"]
+
+
+def test_tau0_of_the_sweep_is_the_dense_decode_of_the_same_model(evicting):
+    cells, inputs, result = evicting
+    sweep = result.gated["sig-g-rope"].sweep
+    dense = evaluate(
+        cells["sig-g-rope"].model, inputs.val, NoEviction(), inputs.decode,
+        max_windows=inputs.val_windows,
+    )  # fmt: skip
+    tau0 = sweep.results[sweep.taus.index(0.0)]
+    assert tau0.window_indices == dense.window_indices
+    assert tau0.ppl == pytest.approx(dense.ppl, rel=1e-12)
+
+
+def test_baselines_at_full_budget_reproduce_the_dense_ppl(evicting):
+    cells, inputs, result = evicting
+    model = cells["sig-rope"].model
+    budget = full_budget(
+        inputs.test, model.cfg.n_layers, model.cfg.n_heads, inputs.decode,
+        max_windows=inputs.test_windows,
+    )  # fmt: skip
+    dense = result.dense["sig-rope"]
+    for policy in (H2O(), KeyDiff()):
+        r = evaluate_baseline(model, inputs.test, policy, budget)
+        assert r.compression == 0
+        assert r.ppl == pytest.approx(dense.ppl, rel=1e-12), policy.name
+
+
+def test_a_gated_cell_without_its_backbone_gets_nan_baselines_and_a_note(evicting):
+    cells, inputs, _ = evicting
+    result = run_study({"sig-g-rope": cells["sig-g-rope"]}, inputs, timing=False)
+    row = result.table2.iloc[0]
+    assert row["backbone"] == "sig-rope" and "sig-rope not trained" in row["note"]
+    for col in ("backbone_test_ppl", "h2o_test_ppl", "keydiff_test_ppl", "h2o_delta_ppl"):
+        assert np.isnan(row[col]), col
+    assert np.isfinite(row["test_ppl_tau_star"]) and result.decode_speed.empty
+
+
+def test_write_study_adds_the_probe_tables_and_figures(evicting, tmp_path):
+    _, _, result = evicting
+    fig = tmp_path / "fig2.png"
+    fig.write_bytes(b"\x89PNG\r\n\x1a\n")
+    extra = pd.DataFrame({"layer": [0, 1], "cv": [0.4, 0.5]})
+    paths = write_study(result, tmp_path / "study", {"table4": extra}, {"fig2": fig})
+    assert pd.read_csv(paths["table4.csv"]).equals(extra)
+    md = paths["study.md"].read_text()
+    assert "## table4" in md and "![fig2](../fig2.png)" in md and "Not run" not in md
+    with pytest.raises(FileNotFoundError, match="fig3"):
+        write_study(result, tmp_path / "again", extra_figures={"fig3": tmp_path / "none.png"})
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+
+
+def test_a_tau_outside_0_1_is_refused_before_any_evaluation(trained, evicting):
+    cfg, _, _ = trained
+    cells, _, _ = evicting
+    with pytest.raises(ValueError, match=r"tau must be a number in \[0, 1\], got 1.5"):
+        study_inputs(cfg, cells, grid=(0.0, 0.5, 1.5))
+
+
+def test_a_baseline_budget_larger_than_the_sequence_is_refused(evicting):
+    cells, inputs, _ = evicting
+    model = cells["sig-rope"].model
+    full = full_budget(inputs.test, 2, model.cfg.n_heads, inputs.decode, max_windows=2)
+    over = Budget(full.split, full.decode, full.window_indices, full.live_NL * 2, "too many")
+    with pytest.raises(ValueError, match=r"budget of 64 entries per head .* exceeds the sequence's 32 tokens"):  # fmt: skip
+        evaluate_baseline(model, inputs.test, H2O(), over)
+
+
+def test_runs_trained_with_another_model_shape_are_refused_by_key(trained):
+    cfg, run_dir, _ = trained
+    other = tiny(run_dir.parent, "--model.d_ff=128")
+    with pytest.raises(StudyError, match=r"model.d_ff: 256 in the runs, 128 in this config"):
+        load_cells(run_dir, expect=other)
+
+
+def test_the_command_refuses_mismatched_runs_with_one_error_line(trained, capsys):
+    cfg, run_dir, _ = trained
+    argv = ["--preset", "tiny", f"--out_dir={run_dir.parent}", f"--train.steps={STEPS}"]
+    with pytest.raises(SystemExit) as e:
+        kv_study_main([*argv, "--model.d_ff=128"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "model.d_ff: 256 -> 128" in err[0]
+
+
+def _copy_cells(run_dir: Path, dest: Path, *cells: str) -> Path:
+    for c in cells:
+        shutil.copytree(run_dir / c, dest / c)
+    return dest
+
+
+def _edit(path: Path, edit) -> None:
+    d = json.loads(path.read_text())
+    edit(d)
+    path.write_text(json.dumps(d))
+
+
+def test_cells_with_different_shared_settings_are_refused_naming_keys(trained, tmp_path):
+    _, run_dir, _ = trained
+    d = _copy_cells(run_dir, tmp_path, "sm-rope", "sig-g-rope")
+    _edit(d / "sig-g-rope" / "config.json", lambda c: c["train"].update(lr=0.002, seed=7))
+    with pytest.raises(StudyError, match="not a paired") as e:
+        load_cells(d)
+    assert "train.lr: sm-rope=0.001, sig-g-rope=0.002" in str(e.value)
+    assert "train.seed: sm-rope=42, sig-g-rope=7" in str(e.value)
+    assert "model.gates" not in str(e.value) and "backend" not in str(e.value)
+
+
+def test_an_encoder_checkpoint_is_refused(tmp_path):
+    run(smoke(tmp_path / "enc", "--train.steps=1", "--telemetry.probe_every=0"))
+    with pytest.raises(StudyError, match="is an encoder \\(masked-LM\\) checkpoint; the study needs a causal decoder"):  # fmt: skip
+        load_cell(arm_dir(tmp_path / "enc"))
+    cells = _copy_cells(arm_dir(tmp_path / "enc").parent, tmp_path / "as_cell", "sigmoid")
+    (cells / "sigmoid").rename(cells / "sig-rope")
+    with pytest.raises(StudyError, match="is an encoder"):
+        load_cells(cells)
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda d: shutil.rmtree(d / "checkpoints"), "no checkpoint"),
+        (lambda d: _edit(d / "summary.json", lambda s: s.update(steps=10, status="interrupted")),
+         "not finished \\(step 10 of train.steps=30, status interrupted\\)"),
+        (lambda d: _edit(d / "summary.json", lambda s: s.update(status="diverged", divergence_step=9)),
+         "diverged at step 9"),
+    ],
+)  # fmt: skip
+def test_an_unfinished_cell_is_refused(trained, tmp_path, damage, match):
+    _, run_dir, _ = trained
+    d = _copy_cells(run_dir, tmp_path, "sig-g-nope")
+    damage(d / "sig-g-nope")
+    with pytest.raises(StudyError, match=match):
+        load_cells(d)
+
+
+def test_missing_cells_and_bad_windows_are_named(trained, tmp_path):
+    cfg, run_dir, _ = trained
+    with pytest.raises(StudyError, match="no such run dir"):
+        load_cells(tmp_path / "nothing")
+    d = _copy_cells(run_dir, tmp_path, "sm-rope")
+    with pytest.raises(StudyError, match=r"no cell \['sm-g-rope'\] \(present: \['sm-rope'\]\)"):
+        load_cells(d, ["sm-rope", "sm-g-rope"])
+    with pytest.raises(C.ConfigError, match="config study.window: prefill \\+ window = 32 \\+ 40"):
+        tiny(tmp_path, "--study.window=40")
+
+
+def test_the_study_keys_never_block_a_resume():
+    saved = C.to_dict(C.kv_tiny())
+    current = C.to_dict(tiny("/unused", "--study.batch_size=3", "--study.probe_ps", "0.2"))
+    assert config_changes(saved, current) == {}
