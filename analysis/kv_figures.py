@@ -4,7 +4,9 @@
   output under random support removal, one panel per removal fraction p (a row per protocol
   when the table holds both);
 - ``figure_rowsum_binarization``: the paper's Figure 3, gate binarization per gate layer of the
-  gated cells (left) and the row-sum CV per layer of every cell (right).
+  gated cells (left) and the row-sum CV per layer of every cell (right);
+- ``figure_gate_categories``: the paper's Table 4 as bars, mean gate per token category and
+  gated cell.
 
 Softmax cells are drawn in blues with solid lines, sigmoid cells in reds with dashed lines, one
 marker per cell. Agg backend (no display needed); each function returns the path it wrote.
@@ -101,6 +103,24 @@ def figure_rowsum_binarization(rowsum_binarization_df: pd.DataFrame, path: str |
     right.set(title="row-sum CV across queries", xlabel="layer", ylabel="std(r_i) / mean(r_i)")
     right.legend(fontsize=7)
     fig.suptitle("what lets soft gates approximate hard deletion")
+    return _save(fig, path)
+
+
+def figure_gate_categories(table4_df: pd.DataFrame, path: str | Path) -> Path:
+    """Table 4 as grouped bars: mean gate per token category, one bar per gated cell (a category
+    no token fell in has no bar)."""
+    df = table4_df
+    _require(df, ["cell", "category", "mean_gate"], "figure_gate_categories")
+    categories, cells = list(dict.fromkeys(df["category"])), list(dict.fromkeys(df["cell"]))
+    width = 0.8 / len(cells)
+    fig, ax = plt.subplots(figsize=(1.4 * len(categories) + 2.0, 3.8))
+    x = np.arange(len(categories))
+    for i, cell in enumerate(cells):
+        g = df[df["cell"] == cell].set_index("category").reindex(categories)
+        ax.bar(x + (i - (len(cells) - 1) / 2) * width, g["mean_gate"], width, label=cell)
+    ax.set_xticks(x, categories)
+    ax.set(ylabel="mean gate", ylim=(0, 1.02), title="mean learned gate per token category")
+    ax.legend(fontsize=7)
     return _save(fig, path)
 
 

@@ -305,6 +305,9 @@ def extreme_gate_tokens(
 
 
 # ---- the study's tables over several models ---------------------------------------------------
+#
+# One ``cell`` column in every table (the key of ``models``); every model reads the same windows
+# (same ids: one vocabulary for all cells). Means over layers give the paper's summary numbers.
 
 
 def model_kind(model) -> str:
@@ -313,6 +316,17 @@ def model_kind(model) -> str:
     if len(kinds) != 1:
         raise ValueError(f"the model mixes attention kinds {sorted(kinds)}")
     return kinds.pop()
+
+
+def _check_models(models: Mapping[str, torch.nn.Module], tokens_BT, lengths_B) -> None:
+    if not models:
+        raise ValueError("the probe tables need at least one model")
+    for cell, model in models.items():
+        try:
+            check_windows(model, tokens_BT, lengths_B)
+            model_kind(model)
+        except ValueError as e:
+            raise ValueError(f"cell {cell!r}: {e}") from None
 
 
 def _with_cell(frame: pd.DataFrame, cell: str, **columns) -> pd.DataFrame:
@@ -327,31 +341,102 @@ def _concat(frames: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
 
 
+def support_removal_tables(
+    models: Mapping[str, torch.nn.Module],
+    tokens_BT: torch.Tensor,
+    lengths_B: torch.Tensor,
+    ps: Sequence[float] = (0.1, 0.3, 0.5),
+    seed: int = 0,
+    protocols: Sequence[str] = PROTOCOLS,
+    batch_size: int | None = None,
+) -> dict[str, pd.DataFrame]:
+    """``support_removal`` (``cell, kind, layer, p, perturbation, std, n_sequences, protocol``)
+    and ``support_removal_summary`` (per cell, protocol and p, the mean over layers: the
+    paper's 0.574 / 0.579 at p = 0.1)."""
+    _check_removal(ps, protocols)
+    _check_models(models, tokens_BT, lengths_B)
+    frames = [
+        _with_cell(
+            support_removal_by_layer(model, tokens_BT, lengths_B, ps, seed, protocols, batch_size),
+            cell,
+            kind=model_kind(model),
+        )
+        for cell, model in models.items()
+    ]
+    table = pd.concat(frames, ignore_index=True)
+    summary = table.groupby(["cell", "kind", "protocol", "p"], as_index=False, sort=False).agg(
+        perturbation=("perturbation", "mean"), n_layers=("layer", "nunique")
+    )
+    return {"support_removal": table, "support_removal_summary": summary}
+
+
 def _rowsum_binarization(model, tokens_BT, lengths_B, batch_size) -> pd.DataFrame:
     """One row per layer: row-sum CV and, for a gated model, its gate layer's binarization."""
     rows = row_sum_cv_by_layer(model, tokens_BT, lengths_B, batch_size)
     rows = rows.rename(columns={"std": "row_sum_cv_std", "n": "n_sequence_heads"})
-    gate_cols = ["gate_mean", *list(GATE_COLUMNS.values())[1:]]
+    gate_cols = list(GATE_COLUMNS.values())
     if not model.cfg.gates:
         return rows.assign(**{c: np.nan for c in gate_cols})
     gates = gate_binarization_by_layer(model, tokens_BT, lengths_B, batch_size)
     return rows.merge(gates[["layer", *gate_cols]], on="layer", how="left")
 
 
-def _summaries(support: pd.DataFrame, rowsum: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """Means over layers: the paper's 0.574 / 0.579 (support removal per p) and 0.484 / 24.4%
-    (row-sum CV; binarization over gate layers, which all count the same positions)."""
-    support_summary = support.groupby(
-        ["cell", "kind", "protocol", "p"], as_index=False, sort=False
-    ).agg(perturbation=("perturbation", "mean"), n_layers=("layer", "nunique"))
-    rowsum_summary = rowsum.groupby(["cell", "kind", "gated"], as_index=False, sort=False).agg(
+def rowsum_binarization_tables(
+    models: Mapping[str, torch.nn.Module],
+    tokens_BT: torch.Tensor,
+    lengths_B: torch.Tensor,
+    batch_size: int | None = None,
+) -> dict[str, pd.DataFrame]:
+    """``rowsum_binarization`` (``cell, kind, gated, layer, row_sum_cv, row_sum_cv_std,
+    n_sequence_heads, gate_mean, frac_below_0.05, frac_above_0.95, binarization``; the gate
+    columns are NaN for a dense cell and for the last layer, which emits no gate) and
+    ``rowsum_binarization_summary`` (per cell, means over layers: the paper's row-sum CV 0.484
+    and aggregate binarization 24.4%, every gate layer counting the same positions)."""
+    _check_models(models, tokens_BT, lengths_B)
+    frames = [
+        _with_cell(
+            _rowsum_binarization(model, tokens_BT, lengths_B, batch_size),
+            cell,
+            kind=model_kind(model),
+            gated=bool(model.cfg.gates),
+        )
+        for cell, model in models.items()
+    ]
+    table = pd.concat(frames, ignore_index=True)
+    summary = table.groupby(["cell", "kind", "gated"], as_index=False, sort=False).agg(
         row_sum_cv=("row_sum_cv", "mean"),
         gate_mean=("gate_mean", "mean"),
         binarization=("binarization", "mean"),
     )
+    return {"rowsum_binarization": table, "rowsum_binarization_summary": summary}
+
+
+def gate_category_tables(
+    models: Mapping[str, torch.nn.Module],
+    tokens_BT: torch.Tensor,
+    lengths_B: torch.Tensor,
+    pieces_fn: PiecesFn,
+    k: int = 10,
+    min_count: int = 5,
+    batch_size: int | None = None,
+) -> dict[str, pd.DataFrame]:
+    """Gated cells only (dense ones are skipped): ``table4_categories`` (``cell, category,
+    count, mean_gate``) and ``extreme_tokens`` (``cell, end, rank, piece, category, count,
+    mean_gate``: the ``k`` lowest / highest types seen at least ``min_count`` times)."""
+    _check_models(models, tokens_BT, lengths_B)
+    categories, extremes = [], []
+    for cell, model in models.items():
+        if not model.cfg.gates:
+            continue
+        pieces, gates_LN = token_gates(model, tokens_BT, lengths_B, pieces_fn, batch_size)
+        categories.append(_with_cell(gate_by_category(pieces, gates_LN), cell))
+        table = extreme_tokens(pieces, gates_LN, k=k, min_count=min_count)
+        extremes.append(_with_cell(table, cell))
     return {
-        "support_removal_summary": support_summary,
-        "rowsum_binarization_summary": rowsum_summary,
+        "table4_categories": _concat(categories, ["cell", "category", "count", "mean_gate"]),
+        "extreme_tokens": _concat(
+            extremes, ["cell", "end", "rank", "piece", "category", "count", "mean_gate"]
+        ),
     }
 
 
@@ -367,46 +452,15 @@ def probe_tables(
     extreme_k: int = 10,
     extreme_min_count: int = 5,
 ) -> dict[str, pd.DataFrame]:
-    """Every probe table of the study, each with a ``cell`` column (the key of ``models``):
-
-    - ``support_removal``: ``cell, kind, layer, p, perturbation, std, n_sequences, protocol``;
-    - ``support_removal_summary``: per cell, protocol and p, the mean over layers;
-    - ``rowsum_binarization``: ``cell, kind, gated, layer, row_sum_cv, ..., binarization``
-      (gate columns NaN for a dense cell and for the last layer, which emits no gate);
-    - ``rowsum_binarization_summary``: per cell, the means over layers;
-    - ``table4_categories``: ``cell, category, count, mean_gate`` (gated cells only);
-    - ``extreme_tokens``: ``cell, end, rank, piece, category, count, mean_gate`` (gated only).
-
-    Every model reads the same windows (same ids: one vocabulary for all cells).
-    """
-    if not models:
-        raise ValueError("probe_tables needs at least one model")
+    """Every probe table of the study: ``support_removal``, ``support_removal_summary``,
+    ``rowsum_binarization``, ``rowsum_binarization_summary``, ``table4_categories``,
+    ``extreme_tokens`` (the three functions above; the columns are theirs)."""
     _check_removal(ps, protocols)
-    for cell, model in models.items():
-        try:
-            check_windows(model, tokens_BT, lengths_B)
-        except ValueError as e:
-            raise ValueError(f"cell {cell!r}: {e}") from None
-    support, rowsum, categories, extremes = [], [], [], []
-    for cell, model in models.items():
-        kind, gated = model_kind(model), bool(model.cfg.gates)
-        table = support_removal_by_layer(
-            model, tokens_BT, lengths_B, ps, seed, protocols, batch_size
-        )
-        support.append(_with_cell(table, cell, kind=kind))
-        table = _rowsum_binarization(model, tokens_BT, lengths_B, batch_size)
-        rowsum.append(_with_cell(table, cell, kind=kind, gated=gated))
-        if gated:
-            pieces, gates_LN = token_gates(model, tokens_BT, lengths_B, pieces_fn, batch_size)
-            categories.append(_with_cell(gate_by_category(pieces, gates_LN), cell))
-            table = extreme_tokens(pieces, gates_LN, k=extreme_k, min_count=extreme_min_count)
-            extremes.append(_with_cell(table, cell))
-    tables = {
-        "support_removal": pd.concat(support, ignore_index=True),
-        "rowsum_binarization": pd.concat(rowsum, ignore_index=True),
-        "table4_categories": _concat(categories, ["cell", "category", "count", "mean_gate"]),
-        "extreme_tokens": _concat(
-            extremes, ["cell", "end", "rank", "piece", "category", "count", "mean_gate"]
+    _check_models(models, tokens_BT, lengths_B)
+    return {
+        **support_removal_tables(models, tokens_BT, lengths_B, ps, seed, protocols, batch_size),
+        **rowsum_binarization_tables(models, tokens_BT, lengths_B, batch_size),
+        **gate_category_tables(
+            models, tokens_BT, lengths_B, pieces_fn, extreme_k, extreme_min_count, batch_size
         ),
     }
-    return {**tables, **_summaries(tables["support_removal"], tables["rowsum_binarization"])}
