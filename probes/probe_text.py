@@ -61,20 +61,41 @@ def gpt2_to_model_ids(tokens: torch.Tensor, vocab: Mapping | None) -> torch.Tens
 
 
 def probe_windows(
-    data_cfg, vocab: Mapping | None, split: str = "test", n_windows: int = 50
+    data_cfg, vocab: Mapping | None, split: str = "test", n_windows: int | None = 50
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``n_windows`` evaluation windows of ``split`` (``EvalWindows``: stride
-    ``context_len``, the last one may be shorter) as ``(tokens_BT, lengths_B)`` in the model's
-    ids. ``data_cfg`` is a run's ``DataConfig`` (what it trained on)."""
+    """The first ``n_windows`` (None: all) evaluation windows of ``split`` (``EvalWindows``:
+    stride ``context_len``, the last one may be shorter) as ``(tokens_BT, lengths_B)`` in the
+    model's ids. ``data_cfg`` is a run's ``DataConfig`` (what it trained on)."""
     from stabilitylab.train.task import open_text  # the data stack, only when windows are read
 
-    if n_windows < 1:
-        raise ValueError(f"n_windows must be >= 1, got {n_windows}")
+    if n_windows is not None and n_windows < 1:
+        raise ValueError(f"n_windows must be >= 1 or None, got {n_windows}")
     shards = open_text(data_cfg)
     T = data_cfg.context_len
     windows = EvalWindows(shards.split(split), T, name=f"{split} ({shards.path})")
-    batch = make_lm_batch(windows, range(min(n_windows, len(windows))), T)
+    n = len(windows) if n_windows is None else min(n_windows, len(windows))
+    batch = make_lm_batch(windows, range(n), T)
     return gpt2_to_model_ids(batch.tokens_BT, vocab), batch.lengths_B
+
+
+def cell_windows(
+    run_dir: str | Path,
+    cells: Sequence[str],
+    data_cfg,
+    split: str = "test",
+    n_windows: int | None = 50,
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``probe_windows`` for the cells ``<run_dir>/<cell>/`` of one study: ``(tokens_BT,
+    lengths_B, vocab)``, refusing cells whose vocab.json differ (their ids would not agree)."""
+    if not cells:
+        raise ValueError(f"{run_dir}: no cells to read windows for")
+    vocabs = {c: read_vocab(Path(run_dir) / c) for c in cells}
+    first = next(iter(vocabs))
+    differ = [c for c, v in vocabs.items() if v != vocabs[first]]
+    if differ:
+        raise ValueError(f"{run_dir}: cells {differ} have another vocab.json than {first!r}")
+    tokens_BT, lengths_B = probe_windows(data_cfg, vocabs[first], split, n_windows)
+    return tokens_BT, lengths_B, vocabs[first]
 
 
 def gpt2_pieces_fn(vocab: Mapping | None = None, encoding=None) -> PiecesFn:
