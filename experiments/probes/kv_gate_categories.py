@@ -66,12 +66,10 @@ def main() -> None:
     table4 = tables["table4_categories"]
     print(f"{len(lengths_B)} {args.split} windows; mean gate per category (count in brackets):")
     labels = [f"{g:.3f} ({n})" for g, n in zip(table4["mean_gate"], table4["count"], strict=True)]
-    wide = table4.assign(cell_gate=labels)
-    print(
-        wide.pivot(index="category", columns="cell", values="cell_gate")
-        .loc[table4["category"].unique()]
-        .to_string()
+    wide = table4.assign(cell_gate=labels).pivot(
+        index="category", columns="cell", values="cell_gate"
     )
+    print(wide.loc[table4["category"].unique(), table4["cell"].unique()].to_string())
     extremes = tables["extreme_tokens"].assign(piece=lambda d: d["piece"].map(repr))
     print(extremes.to_string(index=False, float_format="%.3f"))
     path = figure_gate_categories(table4, out / "gate_categories.png")
