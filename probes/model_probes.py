@@ -71,8 +71,8 @@ PiecesFn = Callable[[Sequence[int]], Sequence[str | None]]
 def check_windows(model, tokens_BT: torch.Tensor, lengths_B: torch.Tensor) -> None:
     """One-line ``ValueError``s for windows the model cannot read, before any work."""
     if tokens_BT.dim() != 2 or tokens_BT.dtype != torch.long:
-        raise ValueError(f"tokens_BT must be a 2-d long tensor, got {tuple(tokens_BT.shape)} "
-                         f"{tokens_BT.dtype}")  # fmt: skip
+        shape = tuple(tokens_BT.shape)
+        raise ValueError(f"tokens_BT must be a 2-d long tensor, got {shape} {tokens_BT.dtype}")
     B, T = tokens_BT.shape
     if lengths_B.shape != (B,):
         raise ValueError(f"lengths_B shape {tuple(lengths_B.shape)} != ({B},)")
