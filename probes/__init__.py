@@ -11,6 +11,10 @@
   of a layer's attention output; ``rowsum``: the row-sum coefficient of variation.
 - ``gates``: per-layer gate mean and binarization, for the trainer's log and the study;
   ``token_categories``: GPT-2 pieces in six categories, mean gate per category, extreme tokens.
+- ``model_capture``: what each attention layer of a ``Transformer`` sees (its backend swapped
+  inside a ``with`` block, always restored); ``model_probes``: the maths above on a trained
+  decoder, per layer and as the study's tables (``probe_tables``); ``probe_text``: evaluation
+  windows in a run's ids and their GPT-2 pieces. Scripts: ``experiments/probes/kv_*.py``.
 """
 
 from stabilitylab.probes.gates import (
@@ -22,6 +26,24 @@ from stabilitylab.probes.gates import (
     pooled_gate_stats,
 )
 from stabilitylab.probes.masked_attention import attention_weights_BHTT, masked_attention_BHTD
+from stabilitylab.probes.model_capture import (
+    AttentionInputs,
+    capture_attention,
+    layer_attention_BHTD,
+    swapped_attention,
+)
+from stabilitylab.probes.model_probes import (
+    extreme_gate_tokens,
+    gate_binarization_by_layer,
+    gate_category_tables,
+    gates_by_token_category,
+    probe_tables,
+    removal_masks_LBT,
+    row_sum_cv_by_layer,
+    rowsum_binarization_tables,
+    support_removal_by_layer,
+    support_removal_tables,
+)
 from stabilitylab.probes.rowsum import row_sum_cv_BH, row_sum_cv_from_qk_BH, row_sum_cv_table
 from stabilitylab.probes.support_removal import (
     layer_average_by_p,
@@ -41,6 +63,20 @@ from stabilitylab.probes.token_categories import (
 )
 
 __all__ = [
+    "AttentionInputs",
+    "capture_attention",
+    "layer_attention_BHTD",
+    "swapped_attention",
+    "extreme_gate_tokens",
+    "gate_binarization_by_layer",
+    "gate_category_tables",
+    "gates_by_token_category",
+    "probe_tables",
+    "removal_masks_LBT",
+    "row_sum_cv_by_layer",
+    "rowsum_binarization_tables",
+    "support_removal_by_layer",
+    "support_removal_tables",
     "CATEGORIES",
     "STOPWORDS",
     "GateSums",

@@ -21,7 +21,8 @@ Two protocols, and which one this file computes:
   that pass already carry the upstream perturbation (this compounds with depth; its p = 0.5
   sigmoid average of 3.666 is far above what one layer can give). For that protocol a model hook
   draws ``sample_removal_mask_BT`` per layer, runs ``masked_attention_BHTD`` with it in the second
-  pass, and compares the two passes' outputs with ``relative_perturbation_B``.
+  pass, and compares the two passes' outputs with ``relative_perturbation_B``
+  (``probes/model_probes.py::support_removal_by_layer``, protocol ``compound``).
 """
 
 from __future__ import annotations

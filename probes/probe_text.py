@@ -1,0 +1,117 @@
+"""The text the model probes read: evaluation windows in a run's own ids, and their GPT-2 pieces.
+
+A text run's ``vocab.json`` says how its token ids read: GPT-2 ids as they are, or, with
+``data.vocab=compact``, ``model_id_to_gpt2_id`` (model id ``i`` is GPT-2 id ``ids[i]``; see
+``stabilitylab.train.task.CompactVocab``). ``probe_windows`` maps the split's GPT-2 ids to the
+model's ids through that list; ``gpt2_pieces_fn`` maps them back and decodes each GPT-2 id to its
+text with the lab's tokenizer (``load_gpt2``). A byte fragment of a multi-byte character decodes
+to U+FFFD (``errors="replace"``); end-of-text has no surface text and gives None, which the
+category tables leave out.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from stabilitylab.data.text import EOT_ID, VOCAB_SIZE, EvalWindows, load_gpt2, make_lm_batch
+from stabilitylab.probes.model_probes import PiecesFn
+
+
+def read_vocab(cell_dir: str | Path) -> dict:
+    """A run dir's ``vocab.json``; refuses a vocabulary that is not text (the cell study's)."""
+    path = Path(cell_dir) / "vocab.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: not a text run dir?")
+    vocab = json.loads(path.read_text())
+    if "r50k_base" not in str(vocab.get("tokenizer", "")):
+        raise ValueError(
+            f"{path}: not a GPT-2 text vocabulary (tokenizer {vocab.get('tokenizer')!r})"
+        )
+    return vocab
+
+
+def model_to_gpt2_ids(vocab: Mapping | None) -> np.ndarray | None:
+    """``ids[i]`` = the GPT-2 id of model id ``i`` for a compact vocabulary, else None."""
+    ids = None if vocab is None else vocab.get("model_id_to_gpt2_id")
+    if ids is None:
+        return None
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.ndim != 1 or ids.size == 0 or ids.min() < 0 or ids.max() >= VOCAB_SIZE:
+        raise ValueError(f"vocab model_id_to_gpt2_id must list GPT-2 ids in [0, {VOCAB_SIZE})")
+    return ids
+
+
+def gpt2_to_model_ids(tokens: torch.Tensor, vocab: Mapping | None) -> torch.Tensor:
+    """GPT-2 ids -> the model's ids (unchanged without a compact vocabulary)."""
+    ids = model_to_gpt2_ids(vocab)
+    if ids is None:
+        return tokens
+    index_V = np.full(VOCAB_SIZE, -1, dtype=np.int64)
+    index_V[ids] = np.arange(ids.shape[0])
+    mapped = torch.from_numpy(index_V)[tokens]
+    if (mapped < 0).any():
+        missing = sorted(set(tokens[mapped < 0].tolist()))[:5]
+        raise ValueError(f"GPT-2 ids {missing} are not in the run's compact vocabulary")
+    return mapped
+
+
+def probe_windows(
+    data_cfg, vocab: Mapping | None, split: str = "test", n_windows: int | None = 50
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``n_windows`` (None: all) evaluation windows of ``split`` (``EvalWindows``:
+    stride ``context_len``, the last one may be shorter) as ``(tokens_BT, lengths_B)`` in the
+    model's ids. ``data_cfg`` is a run's ``DataConfig`` (what it trained on)."""
+    from stabilitylab.train.task import open_text  # the data stack, only when windows are read
+
+    if n_windows is not None and n_windows < 1:
+        raise ValueError(f"n_windows must be >= 1 or None, got {n_windows}")
+    shards = open_text(data_cfg)
+    T = data_cfg.context_len
+    windows = EvalWindows(shards.split(split), T, name=f"{split} ({shards.path})")
+    n = len(windows) if n_windows is None else min(n_windows, len(windows))
+    batch = make_lm_batch(windows, range(n), T)
+    return gpt2_to_model_ids(batch.tokens_BT, vocab), batch.lengths_B
+
+
+def cell_windows(
+    run_dir: str | Path,
+    cells: Sequence[str],
+    data_cfg,
+    split: str = "test",
+    n_windows: int | None = 50,
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``probe_windows`` for the cells ``<run_dir>/<cell>/`` of one study: ``(tokens_BT,
+    lengths_B, vocab)``, refusing cells whose vocab.json differ (their ids would not agree)."""
+    if not cells:
+        raise ValueError(f"{run_dir}: no cells to read windows for")
+    vocabs = {c: read_vocab(Path(run_dir) / c) for c in cells}
+    first = next(iter(vocabs))
+    differ = [c for c, v in vocabs.items() if v != vocabs[first]]
+    if differ:
+        raise ValueError(f"{run_dir}: cells {differ} have another vocab.json than {first!r}")
+    tokens_BT, lengths_B = probe_windows(data_cfg, vocabs[first], split, n_windows)
+    return tokens_BT, lengths_B, vocabs[first]
+
+
+def gpt2_pieces_fn(vocab: Mapping | None = None, encoding=None) -> PiecesFn:
+    """Model ids -> GPT-2 pieces (module doc); ``encoding`` defaults to ``load_gpt2()``."""
+    ids = model_to_gpt2_ids(vocab)
+    enc = encoding if encoding is not None else load_gpt2()
+    cache: dict[int, str | None] = {}
+
+    def piece(gpt2_id: int) -> str | None:
+        if gpt2_id not in cache:
+            text = enc.decode_single_token_bytes(gpt2_id).decode("utf-8", errors="replace")
+            cache[gpt2_id] = None if gpt2_id == EOT_ID else text
+        return cache[gpt2_id]
+
+    def pieces(model_ids: Sequence[int]) -> list[str | None]:
+        gpt2 = model_ids if ids is None else ids[np.asarray(model_ids, dtype=np.int64)].tolist()
+        return [piece(int(g)) for g in gpt2]
+
+    return pieces
