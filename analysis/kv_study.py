@@ -1,14 +1,15 @@
-"""The KV-eviction study's report: tables as CSV and markdown, Figure 1, and study.md.
+"""The KV-eviction study's report: tables as CSV and markdown, figures, and study.md.
 
-    paths = write_study(result, Path("runs/kv_tiny/study"))      # result: run_study(...)
-    paths = write_study(result, out, extra_tables={"table4": df}, extra_figures={"fig2": png})
+    paths = write_study(tables, Path("runs/kv_tiny/study"))   # tables: StudyResult.tables() + probes
+    python analysis/kv_study.py --merge runs/kv_reduced/study-* --out runs/kv_reduced/study
 
-Files (``<run dir>/study/``): table1 / table2 / table5 / decode_speed as ``.csv`` (full
-precision) and ``.md`` (4 significant digits), ``fig1_ppl_vs_compression.png`` and ``study.md``,
-which stitches them with a line on what each one is. The diagnostics (table4, Figures 2-3) come
-from elsewhere and join study.md through ``extra_tables`` / ``extra_figures``; without them the
-section says they were not run. Figure 1 is drawn from the tables alone, so it can be redrawn
-from the CSVs (:func:`ppl_vs_compression_figure`).
+Files (``<run dir>/study/`` or ``study.out_dir``): the eviction tables (table1, table2, table5,
+decode_speed) and the diagnostics' (table4_categories, extreme_tokens, support_removal[_summary],
+rowsum_binarization[_summary]) as ``.csv`` (full precision) and ``.md`` (4 significant digits);
+Figure 1 (PPL vs compression), Figure 2 (support removal), Figure 3 (row-sum CV, binarization)
+and the category bars; ``study.md`` stitches them with a line on what each is. Every figure is
+drawn from the tables alone, so studies of disjoint cells (one process per pair of cells on a
+GPU) join by concatenating their CSVs (``merge_studies``).
 """
 
 from __future__ import annotations
@@ -24,9 +25,22 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+from stabilitylab.analysis.kv_figures import (  # noqa: E402
+    figure_gate_categories,
+    figure_perturbation,
+    figure_rowsum_binarization,
+)
 from stabilitylab.analysis.markdown import table as md_table  # noqa: E402
 
 FIG1 = "fig1_ppl_vs_compression.png"
+FIG2 = "fig2_support_removal.png"
+FIG3 = "fig3_rowsum_binarization.png"
+FIG4 = "fig4_gate_categories.png"
+EVICTION_TABLES = ("table1", "table2", "table5", "decode_speed")
+PROBE_TABLES = (
+    "table4_categories", "extreme_tokens", "support_removal", "support_removal_summary",
+    "rowsum_binarization", "rowsum_binarization_summary",
+)  # fmt: skip
 CAPTIONS = {
     "table1": "Table 1: dense decode-window perplexity on test of every cell (gated cells at "
     "tau = 0, nothing evicted); train_val_ppl is the training's last validation pass "
@@ -41,8 +55,21 @@ CAPTIONS = {
     "whole evaluation (prefill included) in the eager decode loop, synchronised on CUDA; "
     "decoded tokens per second and the final live K/V bytes per window. A measurement, not a "
     "benchmark of a fused kernel.",
+    "table4_categories": "Table 4: mean gate per token category (GPT-2 pieces of the diagnostic "
+    "windows) and gated cell.",
+    "extreme_tokens": "The lowest- and highest-gate tokens per gated cell (tokens seen at least "
+    "min_count times).",
+    "support_removal": "Random support removal: relative change of each layer's attention output "
+    "when a fraction p of the K/V positions (first four kept) is removed; `isolated`: that layer "
+    "alone, `compound`: removal at every layer in a second forward pass (the paper's; Figure 2).",
+    "support_removal_summary": "Support removal, mean over layers per cell and p (the paper, "
+    "softmax / sigmoid: 0.574 / 0.579, 0.943 / 1.051, 1.131 / 3.666 at p = 0.1, 0.3, 0.5).",
+    "rowsum_binarization": "Row-sum coefficient of variation across query positions per layer "
+    "(0 for softmax by construction) and, for gated cells, gate binarization (fraction of gates "
+    "< 0.05 or > 0.95) per gate layer (Figure 3).",
+    "rowsum_binarization_summary": "Row-sum CV and binarization, mean over layers per cell (the "
+    "paper: row-sum CV 0.484 / 0.444; binarization 43.3% / 36.8% / 24.4%).",
 }
-PROBE_HOOK = "<!-- probe tables and figures (table4, fig2, fig3) join here: write_study(extra_tables=..., extra_figures=...) -->"  # fmt: skip
 
 
 def write_table(df: pd.DataFrame, out_dir: Path, name: str) -> dict[str, Path]:
@@ -110,74 +137,103 @@ def _section(title: str, caption: str, body: str) -> list[str]:
     return [f"## {title}", "", caption, "", body, ""]
 
 
+def study_figures(tables: dict[str, pd.DataFrame], out_dir: Path) -> dict[str, Path]:
+    """Every figure, drawn from the tables alone (so a merge of studies redraws them): Figure 1
+    always; Figures 2-3 and the category bars where the diagnostics ran."""
+    figures = {
+        "fig1": ppl_vs_compression_figure(tables["table5"], tables["table2"], out_dir / FIG1)
+    }
+    if len(tables.get("support_removal", ())):
+        figures["fig2"] = figure_perturbation(tables["support_removal"], out_dir / FIG2)
+    if len(tables.get("rowsum_binarization", ())):
+        figures["fig3"] = figure_rowsum_binarization(tables["rowsum_binarization"], out_dir / FIG3)
+    if len(tables.get("table4_categories", ())):
+        figures["fig4"] = figure_gate_categories(tables["table4_categories"], out_dir / FIG4)
+    return figures
+
+
 def study_markdown(
-    tables: dict[str, pd.DataFrame],
-    figures: dict[str, Path],
-    out_dir: Path,
-    extra_tables: dict[str, pd.DataFrame],
-    extra_figures: dict[str, Path],
-    header: str = "",
+    tables: dict[str, pd.DataFrame], figures: dict[str, Path], out_dir: Path, header: str = ""
 ) -> str:
-    """study.md's text: the eviction tables, Figure 1, then the diagnostics' hook."""
+    """study.md's text: the eviction tables, the diagnostics' tables (or a line saying they did
+    not run), then the figures."""
     lines = ["# KV-eviction study", ""]
     if header:
         lines += [header, ""]
-    for name, df in tables.items():
-        lines += _section(name, CAPTIONS.get(name, ""), md_table(df))
+    for name in EVICTION_TABLES:
+        lines += _section(name, CAPTIONS[name], md_table(tables[name]))
+    probes = [n for n in PROBE_TABLES if n in tables]
+    if not probes:
+        lines += ["## Diagnostics", "", "Not run with this report.", ""]
+    for name in probes:
+        lines += _section(name, CAPTIONS[name], md_table(tables[name]))
     for name, path in figures.items():
         lines += [f"## {name}", "", f"![{name}]({os.path.relpath(path, out_dir)})", ""]
-    lines += ["## Diagnostics (table4, fig2, fig3)", "", PROBE_HOOK, ""]
-    if not extra_tables and not extra_figures:
-        lines += ["Not run with this report.", ""]
-    for name, df in extra_tables.items():
-        lines += _section(name, "", md_table(df))
-    for name, path in extra_figures.items():
-        lines += [f"### {name}", "", f"![{name}]({os.path.relpath(path, out_dir)})", ""]
     return "\n".join(lines)
 
 
 def write_study(
-    result,
-    out_dir: Path,
-    extra_tables: dict[str, pd.DataFrame] | None = None,
-    extra_figures: dict[str, Path] | None = None,
-    header: str = "",
+    tables: dict[str, pd.DataFrame], out_dir: Path, header: str = ""
 ) -> dict[str, Path]:
-    """Every file of the study under ``out_dir`` (created); returns ``{file name: path}``.
-    ``result``: a ``stabilitylab.eviction.study.StudyResult`` (anything with ``tables()``)."""
+    """Every file of the study under ``out_dir`` (created): each table as CSV and markdown, the
+    figures, study.md; returns ``{file name: path}``. ``tables``: ``StudyResult.tables()`` and,
+    where the diagnostics ran, ``probe_tables``'s."""
+    missing = [n for n in EVICTION_TABLES if n not in tables]
+    if missing:
+        raise ValueError(f"the study's tables {missing} are missing (have {sorted(tables)})")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    extra_tables, extra_figures = dict(extra_tables or {}), dict(extra_figures or {})
-    missing = [f"{k}: {p}" for k, p in extra_figures.items() if not Path(p).is_file()]
-    if missing:
-        raise FileNotFoundError(f"extra figure(s) not found: {', '.join(missing)}")
-    tables = result.tables()
     paths: dict[str, Path] = {}
-    for name, df in {**tables, **extra_tables}.items():
+    for name, df in tables.items():
         paths.update(write_table(df, out_dir, name))
-    fig1 = ppl_vs_compression_figure(tables["table5"], tables["table2"], out_dir / FIG1)
-    paths[FIG1] = fig1
-    text = study_markdown(tables, {"fig1": fig1}, out_dir, extra_tables, extra_figures, header)
+    figures = study_figures(tables, out_dir)
+    paths.update({p.name: p for p in figures.values()})
     paths["study.md"] = out_dir / "study.md"
-    paths["study.md"].write_text(text)
+    paths["study.md"].write_text(study_markdown(tables, figures, out_dir, header))
     return paths
+
+
+def merge_studies(study_dirs: list[str | Path], out_dir: str | Path) -> dict[str, Path]:
+    """Studies of disjoint cells (e.g. one process per dense / gated pair) joined into one: each
+    table's rows concatenated, the figures redrawn, study.md rewritten."""
+    dirs = [Path(d) for d in study_dirs]
+    tables: dict[str, pd.DataFrame] = {}
+    for name in (*EVICTION_TABLES, *PROBE_TABLES):
+        parts = [pd.read_csv(d / f"{name}.csv") for d in dirs if (d / f"{name}.csv").is_file()]
+        if parts:
+            tables[name] = pd.concat(parts, ignore_index=True)
+    cells = tables["table1"]["cell"] if "table1" in tables else pd.Series(dtype=str)
+    if cells.duplicated().any():
+        raise ValueError(f"cells {sorted(set(cells[cells.duplicated()]))} are in two studies")
+    header = f"Merged from {', '.join(str(d) for d in dirs)}."
+    return write_study(tables, Path(out_dir), header)
 
 
 # ---- the study of one run ---------------------------------------------------------------------
 
 
-def study_report(
-    cfg,
-    device: str | None = None,
-    *,
-    grid=None,
-    progress: bool = False,
-    extra_tables: dict[str, pd.DataFrame] | None = None,
-    extra_figures: dict[str, Path] | None = None,
-) -> dict[str, Path]:
+def probe_study_tables(cfg, cells: dict, run_dir: Path) -> dict[str, pd.DataFrame]:
+    """The diagnostics on the first ``study.probe_windows`` test windows: support removal (both
+    protocols), row-sum CV and binarization per layer, gates per token category."""
+    from stabilitylab.probes.model_probes import probe_tables
+    from stabilitylab.probes.probe_text import cell_windows, gpt2_pieces_fn
+
+    first = next(iter(cells.values()))
+    tokens_BT, lengths_B, vocab = cell_windows(
+        run_dir, list(cells), first.config.data, "test", cfg.study.probe_windows
+    )
+    models = {name: c.model for name, c in cells.items()}
+    return probe_tables(
+        models, tokens_BT, lengths_B, gpt2_pieces_fn(vocab), cfg.study.probe_ps, cfg.study.seed,
+        batch_size=cfg.study.batch_size,
+    )  # fmt: skip
+
+
+def study_report(cfg, device: str | None = None, *, grid=None, progress: bool = False):
     """Load ``cfg``'s trained cells (``<out_dir>/<name>/<cell>/``, the cells of ``cfg.cells``),
-    run the eviction study on ``device`` (CUDA when visible) and write ``<run dir>/study/``.
-    ``grid``: the tau grid (default ``TAU_GRID``)."""
+    run the eviction study and the diagnostics on ``device`` (CUDA when visible) and write
+    ``study.out_dir`` (default ``<run dir>/study/``). ``grid``: the tau grid (default
+    ``TAU_GRID``). Returns ``{file name: path}``."""
     import torch
 
     from stabilitylab.eviction.cells import load_cells
@@ -189,12 +245,35 @@ def study_report(
     cells = load_cells(run_dir, cfg.cells, device, expect=cfg)
     inputs = study_inputs(cfg, cells, grid=TAU_GRID if grid is None else grid, progress=progress)
     torch.manual_seed(cfg.study.seed)
-    result = run_study(cells, inputs)
+    tables = run_study(cells, inputs).tables()
+    tables.update(probe_study_tables(cfg, cells, run_dir))
     d = inputs.decode
     header = (
         f"Run `{run_dir}` (preset {cfg.preset}), cells {', '.join(cells)}; decode window: prefill "
         f"{d.prefill} + {d.window} scored tokens; {len(inputs.val.indices(d, inputs.val_windows))} "
-        f"validation and {len(inputs.test.indices(d, inputs.test_windows))} test windows; device "
-        f"{device}; tau grid {list(inputs.grid)}."
+        f"validation and {len(inputs.test.indices(d, inputs.test_windows))} test windows; "
+        f"diagnostics on {cfg.study.probe_windows} test windows; device {device}; tau grid "
+        f"{list(inputs.grid)}."
     )
-    return write_study(result, run_dir / "study", extra_tables, extra_figures, header)
+    return write_study(tables, Path(cfg.study.out_dir or run_dir / "study"), header)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python analysis/kv_study.py --merge DIR [DIR ...] --out DIR``: join studies of
+    disjoint cells (the study itself runs from experiments/kv_study.py)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--merge", nargs="+", required=True, help="study directories to join")
+    p.add_argument("--out", required=True, help="the joined study's directory")
+    args = p.parse_args(argv)
+    try:
+        paths = merge_studies(args.merge, args.out)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        p.error(f"{type(e).__name__}: {e}")
+    print(f"study: {paths['study.md']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

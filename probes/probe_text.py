@@ -51,9 +51,9 @@ def gpt2_to_model_ids(tokens: torch.Tensor, vocab: Mapping | None) -> torch.Tens
     ids = model_to_gpt2_ids(vocab)
     if ids is None:
         return tokens
-    index_V = np.full(VOCAB_SIZE, -1, dtype=np.int64)
-    index_V[ids] = np.arange(ids.shape[0])
-    mapped = torch.from_numpy(index_V)[tokens]
+    from stabilitylab.train.task import CompactVocab
+
+    mapped = torch.from_numpy(CompactVocab(ids).index_V)[tokens]
     if (mapped < 0).any():
         missing = sorted(set(tokens[mapped < 0].tolist()))[:5]
         raise ValueError(f"GPT-2 ids {missing} are not in the run's compact vocabulary")
@@ -98,16 +98,50 @@ def cell_windows(
     return tokens_BT, lengths_B, vocabs[first]
 
 
+def _sample_pieces() -> dict[int, str]:
+    """The GPT-2 pieces of the shipped sample's ids (``sample/pieces.json``, made with the
+    tokenizer), so that the tiny study's probes read pieces where the tokenizer file is absent."""
+    from stabilitylab.data import text
+
+    path = Path(text.__file__).parent / "sample"
+    table = json.loads((path / "pieces.json").read_text())["pieces"]
+    return {int(k): v for k, v in table.items()}
+
+
+def _decoder(encoding):
+    """GPT-2 id -> its text: the tokenizer when given or on disk, else the sample's pieces."""
+    from stabilitylab.data.source import DataError
+
+    if encoding is None:
+        try:
+            encoding = load_gpt2()
+        except DataError:
+            table = _sample_pieces()
+
+            def from_sample(gpt2_id: int) -> str:
+                if gpt2_id not in table:
+                    raise DataError(
+                        f"GPT-2 id {gpt2_id} is not in the shipped sample and the tokenizer "
+                        "file is missing: fetch it with `make data`"
+                    )
+                return table[gpt2_id]
+
+            return from_sample
+    return lambda gpt2_id: encoding.decode_single_token_bytes(gpt2_id).decode(
+        "utf-8", errors="replace"
+    )
+
+
 def gpt2_pieces_fn(vocab: Mapping | None = None, encoding=None) -> PiecesFn:
-    """Model ids -> GPT-2 pieces (module doc); ``encoding`` defaults to ``load_gpt2()``."""
+    """Model ids -> GPT-2 pieces (module doc); ``encoding`` defaults to ``load_gpt2()``, or,
+    where the tokenizer file is absent, the pieces of the shipped sample's ids."""
     ids = model_to_gpt2_ids(vocab)
-    enc = encoding if encoding is not None else load_gpt2()
+    decode = _decoder(encoding)
     cache: dict[int, str | None] = {}
 
     def piece(gpt2_id: int) -> str | None:
         if gpt2_id not in cache:
-            text = enc.decode_single_token_bytes(gpt2_id).decode("utf-8", errors="replace")
-            cache[gpt2_id] = None if gpt2_id == EOT_ID else text
+            cache[gpt2_id] = None if gpt2_id == EOT_ID else decode(gpt2_id)
         return cache[gpt2_id]
 
     def pieces(model_ids: Sequence[int]) -> list[str | None]:

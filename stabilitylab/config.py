@@ -406,6 +406,9 @@ class StudyConfig:
     """Fractions of K/V positions the random support removal takes out (each in (0, 1))."""
     seed: int = 0
     """Seed of the diagnostics' random draws (the eviction itself draws none)."""
+    out_dir: str = ""
+    """Where the study's files go ("" = <out_dir>/<name>/study). Cells studied in separate
+    processes write separate folders, joined by ``analysis/kv_study.py --merge``."""
 
     def __post_init__(self) -> None:
         check_finite(self, "study.")

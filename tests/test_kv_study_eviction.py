@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from stabilitylab import config as C
-from stabilitylab.analysis.kv_study import FIG1, PROBE_HOOK, write_study
+from stabilitylab.analysis.kv_study import (
+    FIG1,
+    FIG2,
+    FIG3,
+    FIG4,
+    PROBE_TABLES,
+    merge_studies,
+    write_study,
+)
 from stabilitylab.cli import kv_study_main
 from stabilitylab.eviction import (
     H2O,
@@ -37,7 +45,7 @@ from tests.tiny_runs import tiny as smoke
 STEPS = 30
 STUDY = [
     "--study.val_windows=2", "--study.test_windows=2", "--study.batch_size=2",
-    "--study.prefill=16", "--study.window=16",
+    "--study.prefill=16", "--study.window=16", "--study.probe_windows=2",
 ]  # fmt: skip
 TABLES = ("table1", "table2", "table5", "decode_speed")
 GATED = [c for c in C.CELLS if "-g-" in c]
@@ -93,10 +101,19 @@ def test_the_study_command_writes_every_table_and_figure(trained):
         assert (d / f"{name}.md").read_text().startswith(f"| {read(run_dir, name).columns[0]} |")
     assert len(read(run_dir, "table1")) == 8 and len(read(run_dir, "table2")) == 4
     assert len(read(run_dir, "table5")) == 4 * 15 and len(read(run_dir, "decode_speed")) == 4
-    assert (d / FIG1).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for fig in (FIG1, FIG2, FIG3, FIG4):
+        assert (d / fig).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", fig
     md = (d / "study.md").read_text()
-    assert PROBE_HOOK in md and f"]({FIG1})" in md
-    assert all(f"## {name}" in md for name in TABLES)
+    assert all(f"]({fig})" in md for fig in (FIG1, FIG2, FIG3, FIG4))
+    assert all(f"## {name}" in md for name in (*TABLES, *PROBE_TABLES))
+    # The diagnostics: every cell, both protocols, 3 fractions; softmax rows sum to 1.
+    removal = read(run_dir, "support_removal")
+    assert set(removal["cell"]) == set(C.CELLS) and set(removal["p"]) == {0.1, 0.3, 0.5}
+    rows = read(run_dir, "rowsum_binarization")
+    softmax = rows[rows["kind"] == "softmax"]["row_sum_cv"]
+    assert len(softmax) and (softmax.abs() < 1e-9).all()
+    assert (rows[rows["kind"] == "sigmoid"]["row_sum_cv"] > 0).all()
+    assert set(read(run_dir, "table4_categories")["cell"]) == set(GATED)
     assert "2 validation and 2 test windows" in md
 
 
@@ -196,17 +213,29 @@ def test_a_gated_cell_without_its_backbone_gets_nan_baselines_and_a_note(evictin
     assert np.isfinite(row["test_ppl_tau_star"]) and result.decode_speed.empty
 
 
-def test_write_study_adds_the_probe_tables_and_figures(evicting, tmp_path):
+def test_studies_of_disjoint_cells_merge_into_one(trained, evicting, tmp_path):
+    _, run_dir, _ = trained
     _, _, result = evicting
-    fig = tmp_path / "fig2.png"
-    fig.write_bytes(b"\x89PNG\r\n\x1a\n")
-    extra = pd.DataFrame({"layer": [0, 1], "cv": [0.4, 0.5]})
-    paths = write_study(result, tmp_path / "study", {"table4": extra}, {"fig2": fig})
-    assert pd.read_csv(paths["table4.csv"]).equals(extra)
-    md = paths["study.md"].read_text()
-    assert "## table4" in md and "![fig2](../fig2.png)" in md and "Not run" not in md
-    with pytest.raises(FileNotFoundError, match="fig3"):
-        write_study(result, tmp_path / "again", extra_figures={"fig3": tmp_path / "none.png"})
+    pair = write_study(result.tables(), tmp_path / "pair")
+    whole = run_dir / "study"
+    with pytest.raises(ValueError, match="sig-g-rope"):  # the same cell twice
+        merge_studies([whole, pair["study.md"].parent], tmp_path / "twice")
+    for name in ("table1", "table2", "support_removal"):  # a study without the sig pair
+        t = read(run_dir, name)
+        (tmp_path / "rest").mkdir(exist_ok=True)
+        t[~t["cell"].str.startswith("sig-") | t["cell"].str.endswith("nope")].to_csv(
+            tmp_path / "rest" / f"{name}.csv", index=False
+        )
+    for name in ("table5", "decode_speed"):
+        t = read(run_dir, name)
+        t[t["cell"] != "sig-g-rope"].to_csv(tmp_path / "rest" / f"{name}.csv", index=False)
+    paths = merge_studies([tmp_path / "rest", tmp_path / "pair"], tmp_path / "merged")
+    merged = pd.read_csv(paths["table1.csv"])
+    assert sorted(merged["cell"]) == sorted(C.CELLS)
+    assert len(pd.read_csv(paths["table2.csv"])) == 4
+    assert (tmp_path / "merged" / FIG1).is_file() and (tmp_path / "merged" / FIG2).is_file()
+    with pytest.raises(ValueError, match="table1"):
+        write_study({"table2": merged}, tmp_path / "bad")
 
 
 # ---- refusals ---------------------------------------------------------------------------------
@@ -311,3 +340,22 @@ def test_the_study_keys_never_block_a_resume():
     saved = C.to_dict(C.kv_tiny())
     current = C.to_dict(tiny("/unused", "--study.batch_size=3", "--study.probe_ps", "0.2"))
     assert config_changes(saved, current) == {}
+
+
+@pytest.mark.parametrize(
+    "script, files",
+    [
+        ("kv_support_removal", ["support_removal.csv", "support_removal.png"]),
+        ("kv_row_sum", ["rowsum_binarization.csv"]),
+        ("kv_gate_categories", ["table4_categories.csv"]),
+    ],
+)
+def test_each_probe_script_runs_on_the_trained_cells(trained, tmp_path, monkeypatch, script, files):
+    _, run_dir, _ = trained
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "experiments" / "probes"))
+    module = __import__(script)
+    argv = [script, "--run", str(run_dir), "--out", str(tmp_path), "--windows", "2"]
+    monkeypatch.setattr("sys.argv", argv)
+    module.main()
+    for f in files:
+        assert (tmp_path / f).stat().st_size > 0, f

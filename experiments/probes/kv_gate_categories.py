@@ -52,7 +52,7 @@ def main() -> None:
     gated = {name: c for name, c in cells.items() if c.model.cfg.gates}
     if not gated:
         raise SystemExit(f"error: no gated cell among {list(cells)} under {args.run}")
-    data_cfg = next(iter(gated.values())).cfg.data
+    data_cfg = next(iter(gated.values())).config.data
     tokens_BT, lengths_B, vocab = cell_windows(
         args.run, list(gated), data_cfg, args.split, args.windows
     )

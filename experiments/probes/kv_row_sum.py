@@ -46,7 +46,7 @@ def main() -> None:
     args = parse_args()
     out = args.out or args.run / "probes"
     cells = load_cells(args.run, args.cells, args.device)
-    data_cfg = next(iter(cells.values())).cfg.data
+    data_cfg = next(iter(cells.values())).config.data
     tokens_BT, lengths_B, _ = cell_windows(
         args.run, list(cells), data_cfg, args.split, args.windows
     )

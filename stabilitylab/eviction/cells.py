@@ -28,11 +28,12 @@ import numpy as np
 import torch
 
 from stabilitylab.config import CELLS, SECTIONS, Config, ConfigError, cell_settings, from_dict
-from stabilitylab.data.text import VOCAB_SIZE, EvalWindows, TokenSource
+from stabilitylab.data.text import EvalWindows, TokenSource
 from stabilitylab.eviction.protocol import EvalSet, Split
 from stabilitylab.model import Transformer
 from stabilitylab.train import checkpoint
 from stabilitylab.train.resume import FREE_KEYS, FREE_PREFIXES, finished, flatten
+from stabilitylab.train.task import CompactVocab
 
 UNSHARED_KEYS = tuple(k for k in FREE_KEYS if k != "train.steps")
 """Keys cells of one study may differ in: those a resumed run may change, except the length of
@@ -293,8 +294,7 @@ def eval_set(shards, split: Split, context_len: int, vocab: dict) -> EvalSet:
     gpt2_ids = vocab.get("model_id_to_gpt2_id")
     if gpt2_ids is None:
         return base
-    index_V = np.full(VOCAB_SIZE, -1, dtype=np.int64)
-    index_V[np.asarray(gpt2_ids, dtype=np.int64)] = np.arange(len(gpt2_ids))
+    index_V = CompactVocab(np.asarray(gpt2_ids, dtype=np.int64)).index_V
     tokens = np.asarray(shards.split(Split(split).value))
     unknown = np.unique(tokens[index_V[tokens] < 0])
     if unknown.size:
