@@ -2,12 +2,16 @@
 
     python analysis/kv_compare.py runs/kv_reduced/study runs/kv_reduced_seed1/study \\
         --out runs/kv_compare/seeds                       # mean, std, min, max per cell
+    python analysis/kv_compare.py runs/kv_reduced/study runs/inj_logits/study --no-spread \
+        --out runs/kv_compare/injection                   # ablations: the runs side by side
 
 Each argument is a study directory (``experiments/kv_study.py`` writes ``runs/<name>/study/``)
 holding ``table1.csv`` and ``table2.csv``. Their rows are concatenated with a ``run`` column (the
 run name, the study directory's parent), then every numeric column is summarised per cell over
 the runs: ``mean``, ``std`` (sample, ddof 1; NaN with one run), ``min``, ``max`` and ``n``. Writes
-``<table>_runs.csv`` (all rows), ``<table>_spread.csv`` and ``compare.md`` under ``--out``.
+``<table>_runs.csv`` (all rows), ``<table>_spread.csv`` and ``compare.md`` (every run's main
+columns side by side, e.g. ablations of one cell; then mean ± std for cells with several runs,
+e.g. seeds) under ``--out``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,12 @@ from stabilitylab.analysis.markdown import table as markdown_table
 
 TABLES = ("table1", "table2")
 KEY = "cell"
+SHOWN = {
+    "table1": ["test_ppl", "train_val_ppl"],
+    "table2": ["tau_star", "test_compression", "test_ppl_tau0", "test_ppl_tau_star",
+               "delta_ppl_vs_tau0", "h2o_test_ppl", "keydiff_test_ppl"],
+}  # fmt: skip
+"""The columns ``compare.md`` shows per run (the CSVs keep every column)."""
 
 
 def run_name(study_dir: Path) -> str:
@@ -68,7 +78,10 @@ def mean_pm_std(sp: pd.DataFrame, quantities: Sequence[str], key: str = KEY) -> 
     return pd.DataFrame(rows)
 
 
-def write_compare(study_dirs: Sequence[str | Path], out: str | Path) -> Path:
+def write_compare(
+    study_dirs: Sequence[str | Path], out: str | Path, spread_md: bool = True
+) -> Path:
+    """``spread_md=False`` for runs that differ in a setting (ablations): no mean over them."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     parts = [f"# KV-eviction studies compared: {', '.join(map(str, study_dirs))}", ""]
@@ -77,8 +90,17 @@ def write_compare(study_dirs: Sequence[str | Path], out: str | Path) -> Path:
         sp = spread(df)
         df.to_csv(out / f"{name}_runs.csv", index=False)
         sp.to_csv(out / f"{name}_spread.csv", index=False)
-        quantities = [c[: -len("_mean")] for c in sp.columns if c.endswith("_mean")]
-        parts += [f"## {name}: mean ± std over runs", "", markdown_table(mean_pm_std(sp, quantities)), ""]  # fmt: skip
+        shown = [c for c in SHOWN[name] if c in df.columns]
+        parts += [f"## {name}: every run", "", markdown_table(df[[KEY, "run", *shown]]), ""]
+        repeated = sp[sp["n_runs"] > 1]
+        if spread_md and len(repeated):
+            view = mean_pm_std(repeated, shown)
+            parts += [
+                f"## {name}: mean ± std over the runs of a cell",
+                "",
+                markdown_table(view),
+                "",
+            ]
     path = out / "compare.md"
     path.write_text("\n".join(parts))
     return path
@@ -88,9 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("study_dirs", nargs="+", help="study directories (runs/<name>/study)")
     p.add_argument("--out", required=True, help="where compare.md and the CSVs go")
+    p.add_argument(
+        "--spread", action=argparse.BooleanOptionalAction, default=True,
+        help="mean ± std per cell in compare.md (--no-spread for ablations: runs that differ)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     try:
-        path = write_compare(args.study_dirs, args.out)
+        path = write_compare(args.study_dirs, args.out, args.spread)
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
     print(f"wrote {path}")

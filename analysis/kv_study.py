@@ -193,6 +193,12 @@ def write_study(
     return paths
 
 
+def _header_of(study_dir: Path) -> str:
+    """The header paragraph of a study's study.md (its run, cells, windows and device)."""
+    parts = (study_dir / "study.md").read_text().split("\n\n")
+    return parts[1].strip() if len(parts) > 1 and not parts[1].startswith("#") else str(study_dir)
+
+
 def merge_studies(study_dirs: list[str | Path], out_dir: str | Path) -> dict[str, Path]:
     """Studies of disjoint cells (e.g. one process per dense / gated pair) joined into one: each
     table's rows concatenated, the figures redrawn, study.md rewritten."""
@@ -205,7 +211,9 @@ def merge_studies(study_dirs: list[str | Path], out_dir: str | Path) -> dict[str
     cells = tables["table1"]["cell"] if "table1" in tables else pd.Series(dtype=str)
     if cells.duplicated().any():
         raise ValueError(f"cells {sorted(set(cells[cells.duplicated()]))} are in two studies")
-    header = f"Merged from {', '.join(str(d) for d in dirs)}."
+    header = "\n".join([f"Merged from {', '.join(str(d) for d in dirs)}:", ""] + [
+        f"- {_header_of(d)}" for d in dirs if (d / "study.md").is_file()
+    ])  # fmt: skip
     return write_study(tables, Path(out_dir), header)
 
 
