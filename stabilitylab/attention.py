@@ -40,11 +40,13 @@ Backends:
   (every L_b == T) and no key bias, refused by name. Under ``torch.use_deterministic_algorithms``
   its backward repeats bit for bit (slower than without; seen on an H200).
 
-Run to run, the same inputs give the same bits with every backend but ``softmax`` (SDPA: its
-kernels' backward accumulates in varying order; cuDNN refuses deterministic mode) and
-``softmax-flex`` (the key bias's gradient is scattered with atomic adds): ``NOT_DETERMINISTIC``.
-The Triton kernels do so once their launch configs are pinned, which
-``torch.use_deterministic_algorithms(True)`` does (``sigmoid_attention.pinned_config``).
+Under ``torch.use_deterministic_algorithms(True)`` (``train.deterministic``) the same inputs give
+the same bits run to run with every backend but ``softmax`` (SDPA: its backward accumulates in
+varying order, and cuDNN refuses deterministic mode) and ``softmax-flex`` (the key bias's gradient
+is scattered with atomic adds): ``NOT_DETERMINISTIC``, defined in stabilitylab.config, which
+validates ``train.deterministic`` without torch. The flag makes flash's backward deterministic and
+pins the Triton kernels' launch configs (``sigmoid_attention.pinned_config``); within one process
+the Triton kernels and the references repeat without it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from stabilitylab.config import NOT_DETERMINISTIC  # noqa: F401  (re-exported: the registry's)
 from stabilitylab.kernels.reference import (
     key_bias_BH1T,
     key_mask_BT,
@@ -63,13 +66,6 @@ from stabilitylab.kernels.reference import (
     visible_BTT,
 )
 from stabilitylab.kernels.triton_support import LastTensorMemo, lengths_all_full
-
-NOT_DETERMINISTIC = {
-    "softmax": "SDPA's backward differs run to run (cuDNN refuses deterministic mode)",
-    "softmax-flex": "FlexAttention scatters the key bias's gradient with atomic adds",
-}
-"""Backends whose results may differ run to run on a GPU, and why; ``train.deterministic`` refuses
-them (stabilitylab.config mirrors the names: it imports no torch)."""
 
 AttentionResult = tuple[torch.Tensor, torch.Tensor | None]
 AttentionBackend = Callable[..., AttentionResult]
