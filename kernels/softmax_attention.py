@@ -15,8 +15,8 @@ numerical skeleton and differ in the nonlinearity. The forward keeps a running r
 P per tile from lse: dQ over query tiles, dK/dV and d kb over key tiles, each reduced in a fixed
 order, no atomics. Unlike the sigmoid, a key past L_b would add exp(0 - m) to a row's sum, so the
 forward and the dQ pass mask the last key tile when not causal (the causal diagonal mask covers it
-otherwise); the dK/dV pass zeroes padded keys' rows on the way out, and padded query rows read
-lse = +inf there (P = 0). Maths: kernels/reference.py (softmax_attention_reference). Limits: head
+otherwise) and the dK/dV pass gives padded keys a bias of -inf; padded query rows read lse = +inf
+in the backward. Either way P = 0 exactly: no inf or NaN arises from padding, whatever the scores. Maths: kernels/reference.py (softmax_attention_reference). Limits: head
 dim 64 or 128; bf16, fp16, fp32; no kernels for unpadded batches of their own (the sigmoid's
 sigmoid_attention_dense.py) and no q from registers: not measured for softmax; on CPU only in
 Triton's interpreter.
@@ -121,7 +121,8 @@ def p_and_ds(
     lse2), dS = P (dP - Delta); ``lse2`` and ``delta`` broadcast along the query axis."""
     dp = tl.dot(dp_rows, tl.trans(dp_cols), input_precision=DOT_PRECISION)
     s = tl.dot(s_rows, tl.trans(s_cols), input_precision=DOT_PRECISION)
-    p = hide(tl.exp2(s * a2 + c2 - lse2), q_idx, k_idx, L, 0.0, MASK, CAUSAL)
+    # Hidden pairs masked in the exponent, not after it: their scores may lie far above lse.
+    p = tl.exp2(hide(s * a2 + c2 - lse2, q_idx, k_idx, L, float("-inf"), MASK, CAUSAL))
     return p, p * (dp - delta)
 
 
@@ -383,7 +384,9 @@ def _softmax_bwd_dkdv_kernel(
         q_src, do_src = kv_sources(q_base, do_base, sqt, sdot, L, TMA, HEAD_DIM, BLOCK_M)
         k = load_rows(K + b64 * skb + h * skh, offs_n, skt, L, offs_d)
         v = load_rows(V + b64 * svb + h * svh, offs_n, svt, L, offs_d)
-        c2 = key_bias2(kb_base, offs_n[:, None], L, HAS_KEY_BIAS)
+        # Padded keys (read as zeros) get -inf: P = 0 exactly, so their dK, dV and d kb are 0.
+        c2 = tl.where(offs_n[:, None] < L, key_bias2(kb_base, offs_n[:, None], L, HAS_KEY_BIAS),
+                      float("-inf"))  # fmt: skip
         lo = 0
         if CAUSAL:
             lo, diag_end = causal_query_split(start_n, L, BLOCK_M, BLOCK_N)
@@ -397,21 +400,17 @@ def _softmax_bwd_dkdv_kernel(
             dk, dv, dkb, k, v, q_src, do_src, LSE, DELTA, pid_bh, b, h, lo, L, offs_n, offs_m,
             offs_d, sqt, sdot, T, L, a2, c2, False, HAS_KEY_BIAS, DOT_PRECISION, TMA, BLOCK_M,
         )  # fmt: skip
-    # Padded keys (read as zeros) got P = exp(kb - lse) != 0 here: each only in its own row of dK,
-    # dV and d kb, which are zeroed on the way out.
-    valid = offs_n < L
     in_range = offs_n[:, None] < T
     tl.store(
         DK + b64 * sdkb + h * sdkh + offs_n[:, None] * sdkt + offs_d[None, :],
-        tl.where(valid[:, None], dk * scale, 0.0).to(DK.dtype.element_ty), mask=in_range,
+        (dk * scale).to(DK.dtype.element_ty), mask=in_range,
     )  # fmt: skip
     tl.store(
         DV + b64 * sdvb + h * sdvh + offs_n[:, None] * sdvt + offs_d[None, :],
-        tl.where(valid[:, None], dv, 0.0).to(DV.dtype.element_ty), mask=in_range,
+        dv.to(DV.dtype.element_ty), mask=in_range,
     )  # fmt: skip
     if HAS_KEY_BIAS:
-        dkb_base = DKB + pid_bh.to(tl.int64) * T
-        tl.store(dkb_base + offs_n, tl.where(valid, dkb, 0.0), mask=offs_n < T)
+        tl.store(DKB + pid_bh.to(tl.int64) * T + offs_n, dkb, mask=offs_n < T)
 
 
 # ---- launcher (the sigmoid kernel's configs, autotune keys and launch; docs/BENCHMARKS.md) -----
