@@ -32,7 +32,6 @@ import triton.language as tl
 
 from stabilitylab.kernels.reference import softmax_attention_reference  # noqa: F401  (the maths)
 from stabilitylab.kernels.sigmoid_attention import (
-    EXACT,
     _device_allocator,
     _empty_bthd_as_bhtd,
     _kernel_args,
@@ -82,7 +81,7 @@ def hide(x, q_idx, k_idx, L, fill, MASK: tl.constexpr, CAUSAL: tl.constexpr):
 @triton.jit
 def key_bias2(kb_base, keys, L, HAS_KEY_BIAS: tl.constexpr):
     """The key bias of ``keys`` in base-2 units (kb log2 e), padded keys 0; 0 without a bias."""
-    c = key_affine(0.0, kb_base, keys, L, HAS_KEY_BIAS, EXACT)
+    c = key_affine(0.0, kb_base, keys, L, HAS_KEY_BIAS, 0)  # 0: EXACT mode, kb added as is
     if HAS_KEY_BIAS:
         c = c * LOG2E
     return c
