@@ -12,6 +12,10 @@ softmax-triton and sigmoid-triton alike (neither uses atomics), and under
 from __future__ import annotations
 
 import importlib
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -295,6 +299,60 @@ def test_cpu_without_interpreter_is_a_value_error(monkeypatch):
     q = torch.randn(1, 1, 8, 64)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         softmax_attention(q, q, q, torch.tensor([8]))
+
+
+# The interpreter runs kernels as Python: one it accepts may still fail in Triton's compiler (it
+# did: a module global read inside a jit function). This compiles the causal + key-bias variant of
+# every kernel, with TMA loads at head dim 128, to sm_90a PTX without a GPU, in a process that
+# imported triton without the interpreter (experiments/bench/ptx_offline.py's compiler entry).
+COMPILE_SOFTMAX = """
+import importlib, sys, torch
+sys.path.insert(0, sys.argv[1])
+import ptx_offline as p
+from triton.compiler.compiler import make_backend
+sa, sm, ts = (importlib.import_module(f"stabilitylab.kernels.{m}")
+              for m in ("sigmoid_attention", "softmax_attention", "triton_support"))
+sa.capability = ts.capability = lambda device: (9, 0)
+launches = []
+sm._launch = lambda kernel, kind, q, grid, args, kwargs, dense=False: launches.append(
+    (kernel, sa._configs(kind, (9, 0))[0], args, kwargs))
+def delta(out, do, lengths):
+    B, H, T, D = out.shape
+    d = torch.zeros(B, H, T)
+    args = (out, do, d, lengths, *out.stride()[:3], *do.stride()[:3], H, T)
+    launches.append((sm._softmax_bwd_delta_kernel, None, args, {"HEAD_DIM": D, "BLOCK_M": 64}))
+    return d
+sm._delta = delta
+T, D = 4096, 128
+q, k, v, do = torch.zeros(4, 2, 2, T, D, dtype=torch.bfloat16).unbind(0)
+lengths, kb = torch.tensor([T, 3001], dtype=torch.int32), torch.zeros(2, 2, T)
+sm.forward_auto(q, k, v, lengths, 0.1, True, True, kb)
+sm.backward_auto(do, q, k, v, q, torch.zeros(2, 2, T), lengths, 0.1, True, kb)
+backend = make_backend(p.TARGET)
+for kernel, config, args, kwargs in launches:
+    warps, stages = (config.num_warps, config.num_stages) if config else (4, 2)
+    kw = {**kwargs, **(config.kwargs if config else {}), "num_warps": warps, "num_stages": stages}
+    text = p.ptx(kernel, args, {**kw, "debug": False}, backend)
+    name = kernel.fn.__name__
+    print(name, kwargs.get("TMA", True), f".entry {name}(" in text, "wgmma.mma_async" in text)
+"""
+
+
+def test_kernels_compile_for_sm90_without_a_gpu():
+    bench = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "bench"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_SOFTMAX, str(bench)], env=env, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
+    assert compiled == {
+        "_softmax_fwd_kernel": "True True True",  # TMA, an entry point, wgmma
+        "_softmax_bwd_delta_kernel": "True True False",  # no dot product in it
+        "_softmax_bwd_dq_kernel": "True True True",
+        "_softmax_bwd_dkdv_kernel": "True True True",
+    }
 
 
 # ---- GPU: bf16 at longer T, production configs -----------------------------------------------
