@@ -16,10 +16,12 @@ P per tile from lse: dQ over query tiles, dK/dV and d kb over key tiles, each re
 order, no atomics. Unlike the sigmoid, a key past L_b would add exp(0 - m) to a row's sum, so the
 forward and the dQ pass mask the last key tile when not causal (the causal diagonal mask covers it
 otherwise) and the dK/dV pass gives padded keys a bias of -inf; padded query rows read lse = +inf
-in the backward. Either way P = 0 exactly: no inf or NaN arises from padding, whatever the scores. Maths: kernels/reference.py (softmax_attention_reference). Limits: head
-dim 64 or 128; bf16, fp16, fp32; no kernels for unpadded batches of their own (the sigmoid's
-sigmoid_attention_dense.py) and no q from registers: not measured for softmax; on CPU only in
-Triton's interpreter.
+in the backward. Either way P = 0 exactly: padding makes no inf or NaN, whatever the scores.
+
+Maths: kernels/reference.py (softmax_attention_reference). Limits: head dim 64 or 128; bf16, fp16,
+fp32; on CPU only in Triton's interpreter. Not carried over from the sigmoid op (not measured for
+softmax): the kernels for unpadded batches (sigmoid_attention_dense.py), q read from registers,
+the forward's scores of the next key tile issued ahead of this tile's nonlinearity.
 """
 
 from __future__ import annotations
