@@ -35,6 +35,14 @@ PresetName = Literal[PRESET_NAMES]  # the type of Config.preset: tyro lists the 
 
 N_SPECIAL_TOKENS = 3  # PAD=0, MASK=1, CLS=2; gene g has token id g + 3
 
+NOT_DETERMINISTIC = {
+    "softmax": "SDPA's backward differs run to run; cuDNN refuses deterministic mode",
+    "softmax-flex": "FlexAttention scatters the key bias's gradient with atomic adds",
+}
+"""The registered attention backends (stabilitylab.attention) that may differ run to run on a GPU,
+and why; train.deterministic refuses them. Here, not in the registry: this module imports no
+torch."""
+
 
 class ConfigError(Exception):
     """A configuration value is invalid; the message names the key.
@@ -397,14 +405,6 @@ class TelemetryConfig:
         _check(self.flush_secs > 0, "telemetry.flush_secs", "must be positive")
 
 
-NOT_DETERMINISTIC = {
-    "softmax": "SDPA's backward differs run to run; cuDNN refuses deterministic mode",
-    "softmax-flex": "FlexAttention scatters the key bias's gradient with atomic adds",
-}
-"""The registered attention backends (stabilitylab.attention) that may differ run to run on a GPU,
-and why; train.deterministic refuses them. Here, not in the registry: this module imports no
-torch."""
-
 ARMS = ("softmax", "sigmoid")
 """The stress study's arms (cells data): the attention kind, nothing else changes."""
 CELLS = (
@@ -497,8 +497,8 @@ class Config:
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section):
                 check_finite(section, f"{f.name}.")
-        self._check_task()
         self._check_backends()
+        self._check_task()
 
     def _check_task(self) -> None:
         """The model, the arms and validation agree with the task the data implies."""
