@@ -622,11 +622,21 @@ def _dense():
     return importlib.import_module("stabilitylab.kernels.sigmoid_attention_dense")
 
 
+def pinned_config(configs: tuple[triton.Config, ...]) -> triton.Config:
+    """The one config a kernel launches with under ``torch.use_deterministic_algorithms``: the
+    smallest tile (BLOCK_M x BLOCK_N) of its list, the first of equals. Autotuning picks by timing,
+    which varies from process to process, and configs of other tiles sum in another order: the
+    kernels have no atomics, but two runs repeat bit for bit only on the same configs. The smallest
+    tile is the one least likely to exceed shared memory at any head dim."""
+    return min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
+
+
 def _launch(kernel, kind: str, q: torch.Tensor, grid, args: tuple, kwargs: dict, dense=False):
     """Launch ``kernel``: interpreted with one config, or autotuned per architecture, Triton
     specialisation of ``args`` and of the key bias (``specialization``) and key (T bucket, head
-    dim, the path's constexprs, dtype), then launched straight with the config chosen. ``dense``:
-    a kernel that takes host-built descriptors, whose blocks each config sets."""
+    dim, the path's constexprs, dtype), then launched straight with the config chosen; under
+    ``torch.use_deterministic_algorithms`` with ``pinned_config``, untimed. ``dense``: a kernel
+    that takes host-built descriptors, whose blocks each config sets."""
     if interpreting():
         if dense:
             _dense().set_blocks({**kwargs, **INTERPRETER_BLOCKS})
@@ -635,12 +645,14 @@ def _launch(kernel, kind: str, q: torch.Tensor, grid, args: tuple, kwargs: dict,
     cap, fp32 = capability(q.device), q.dtype == torch.float32
     levers = [name for name in _KEY_LEVERS if name in kwargs]
     bias_spec = specialization(kwargs.get("KB"), kwargs.get("skbb"), kwargs.get("skbh"))
-    which = (kernel, cap, fp32, specialization(*args), bias_spec)
+    pinned = torch.are_deterministic_algorithms_enabled()
+    which = (kernel, cap, fp32, specialization(*args), bias_spec, pinned)
     tuned = _TUNED.get(which)
     if tuned is None:
-        tuned = _TUNED[which] = Tuned(
-            kernel, _configs(kind, cap, fp32, dense), ["T_BUCKET", "HEAD_DIM", *levers]
-        )
+        configs = _configs(kind, cap, fp32, dense)
+        if pinned:
+            configs = (pinned_config(configs),)
+        tuned = _TUNED[which] = Tuned(kernel, configs, ["T_BUCKET", "HEAD_DIM", *levers])
     key = (seq_bucket(q.shape[2]), kwargs["HEAD_DIM"], *[kwargs[n] for n in levers], q.dtype)
     tuned.launch(grid, key, *args, **kwargs)
 

@@ -41,6 +41,8 @@ _DIFFERENTIABLE_BACKEND = {
     "softmax": "softmax",
     "softmax-flex": "softmax",
     "softmax-reference": "softmax-reference",
+    "softmax-triton": "softmax-reference",
+    "softmax-flash": "softmax",
     "sigmoid-reference": "sigmoid-reference",
     "sigmoid-triton": "sigmoid-reference",
     "sigmoid-triton-exact": "sigmoid-reference",

@@ -34,6 +34,19 @@ Backends:
   for bit on a GPU, which SDPA's backward is not. Support everything.
 - ``sigmoid-triton`` (stabilitylab.kernels) and ``sigmoid-triton-exact`` (the same with the exact
   sigmoid): everything, fused (causal tiles skipped, the key bias and its gradient in the kernel).
+- ``softmax-triton`` (stabilitylab.kernels): the softmax twin of ``sigmoid-triton``, on the same
+  tiles and loops (online softmax), everything, fused; no atomics, reproducible bit for bit.
+- ``softmax-flash``: SDPA held to its flash kernel, which takes no mask: causal only, no padding
+  (every L_b == T) and no key bias, refused by name. Under ``torch.use_deterministic_algorithms``
+  its backward repeats bit for bit (slower than without; seen on an H200).
+
+Under ``torch.use_deterministic_algorithms(True)`` (``train.deterministic``) the same inputs give
+the same bits run to run with every backend but ``softmax`` (SDPA: its backward accumulates in
+varying order, and cuDNN refuses deterministic mode) and ``softmax-flex`` (the key bias's gradient
+is scattered with atomic adds): ``NOT_DETERMINISTIC``, defined in stabilitylab.config, which
+validates ``train.deterministic`` without torch. The flag makes flash's backward deterministic and
+pins the Triton kernels' launch configs (``sigmoid_attention.pinned_config``); within one process
+the Triton kernels and the references repeat without it.
 """
 
 from __future__ import annotations
@@ -43,6 +56,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from stabilitylab.config import NOT_DETERMINISTIC  # noqa: F401  (re-exported: the registry's)
 from stabilitylab.kernels.reference import (
     key_bias_BH1T,
     key_mask_BT,
@@ -267,3 +281,43 @@ def sigmoid_triton_exact(
         key_bias_BT=key_bias_BT, key_bias_BHT=key_bias_BHT, return_max_logit=return_max_logit,
         exact=True,
     )  # fmt: skip
+
+
+# ---- softmax: the Triton kernel and SDPA's flash kernel ------------------------------------------
+
+
+@register("softmax-triton")
+def softmax_triton(
+    q_BHTD, k_BHTD, v_BHTD, lengths_B, *, causal=False, key_bias_BT=None, key_bias_BHT=None,
+    sigmoid_bias=None, return_max_logit=False,
+):  # fmt: skip
+    from stabilitylab.kernels import softmax_attention
+
+    return softmax_attention(
+        q_BHTD, k_BHTD, v_BHTD, lengths_B, causal=causal, key_bias_BT=key_bias_BT,
+        key_bias_BHT=key_bias_BHT, return_max_logit=return_max_logit,
+    )  # fmt: skip
+
+
+@register("softmax-flash")
+def softmax_flash(
+    q_BHTD, k_BHTD, v_BHTD, lengths_B, *, causal=False, key_bias_BT=None, key_bias_BHT=None,
+    sigmoid_bias=None, return_max_logit=False,
+):  # fmt: skip
+    """SDPA with the flash kernel alone (no fallback to another SDPA kernel)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if key_bias_BT is not None or key_bias_BHT is not None:
+        raise ValueError(
+            "attention backend 'softmax-flash' takes no key_bias_BT / key_bias_BHT (flash has no "
+            "score bias); use 'softmax-triton'"
+        )
+    T = q_BHTD.shape[2]
+    if not lengths_all_full(lengths_B, T):
+        raise ValueError(
+            f"attention backend 'softmax-flash' takes no padding (every lengths_B == T={T}): "
+            "flash has no mask; use 'softmax-triton'"
+        )
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHTD, v_BHTD, is_causal=causal)
+    return out_BHTD, _stats(q_BHTD, k_BHTD, lengths_B, causal, return_max_logit)

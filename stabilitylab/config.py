@@ -35,6 +35,14 @@ PresetName = Literal[PRESET_NAMES]  # the type of Config.preset: tyro lists the 
 
 N_SPECIAL_TOKENS = 3  # PAD=0, MASK=1, CLS=2; gene g has token id g + 3
 
+NOT_DETERMINISTIC = {
+    "softmax": "SDPA's backward differs run to run; cuDNN refuses deterministic mode",
+    "softmax-flex": "FlexAttention scatters the key bias's gradient with atomic adds",
+}
+"""The registered attention backends (stabilitylab.attention) that may differ run to run on a GPU,
+and why; train.deterministic refuses them. Here, not in the registry: this module imports no
+torch."""
+
 
 class ConfigError(Exception):
     """A configuration value is invalid; the message names the key.
@@ -305,6 +313,12 @@ class TrainConfig:
     budget_lambda: float = 0.03
     """Gated models only: the loss is CE + budget_lambda * mean gate (the KV-eviction paper's
     0.03); train/loss logs the sum, train/ce_loss and train/budget_loss the two terms."""
+    deterministic: bool = False
+    """Repeat bit for bit run to run: torch.use_deterministic_algorithms(True) for the run (an op
+    without a deterministic kernel stops it, naming the op), one pinned launch config per Triton
+    kernel, and deterministic attention in both arms: softmax_backend=auto takes softmax-triton
+    (CPU: softmax-reference), sigmoid_backend=auto sigmoid-triton (CPU: sigmoid-reference);
+    softmax and softmax-flex are refused. Slower."""
 
     def __post_init__(self) -> None:
         check_finite(self, "train.")
@@ -336,6 +350,11 @@ class TrainConfig:
             "must be > 0 or None",
         )
         _check(self.budget_lambda >= 0, "train.budget_lambda", "must be >= 0")
+        _check(
+            isinstance(self.deterministic, bool),
+            "train.deterministic",
+            f"must be True or False, got {self.deterministic!r}",
+        )
 
     @property
     def peak_lr(self) -> float:
@@ -491,10 +510,15 @@ class Config:
     ] = "auto"
     """auto: sigmoid-triton on CUDA, sigmoid-reference on CPU.
     sigmoid-triton-exact: the kernel with the exact sigmoid, not the fast tanh.approx one."""
-    softmax_backend: Literal["softmax", "softmax-flex", "softmax-reference"] = "softmax"
-    """softmax: PyTorch SDPA (fast; its GPU backward is not bit-reproducible run to run);
+    softmax_backend: Literal[
+        "auto", "softmax", "softmax-flex", "softmax-reference", "softmax-triton", "softmax-flash"
+    ] = "auto"
+    """auto: softmax, or with train.deterministic softmax-triton on CUDA, softmax-reference on CPU.
+    softmax: PyTorch SDPA (fast; its GPU backward is not bit-reproducible run to run);
     softmax-flex: FlexAttention (score_mod for the gate bias, block mask for causal + padding);
-    softmax-reference: eager n x n (reproducible)."""
+    softmax-reference: eager n x n (reproducible); softmax-triton: the lab's kernel on the
+    sigmoid kernel's skeleton (reproducible); softmax-flash: SDPA's flash kernel alone (no
+    padding, no gates; reproducible with train.deterministic)."""
     resume: Literal["auto", "force"] = "auto"
     """auto: continue from <arm dir>/checkpoints/last/ when it exists, refusing a config that
     differs from the checkpoint's in a key that changes training (the error names the keys);
@@ -538,6 +562,7 @@ class Config:
             section = getattr(self, f.name)
             if dataclasses.is_dataclass(section):
                 check_finite(section, f"{f.name}.")
+        self._check_backends()
         self._check_task()
         if self.task == "lm":
             self.study.decode_split(self.data.context_len)
@@ -576,6 +601,18 @@ class Config:
                 "validation reads the val split of data.source=text; cells have none (set 0)",
             )
 
+    def _check_backends(self) -> None:
+        """Known backend names (also from a saved config); none that can differ run to run under
+        train.deterministic."""
+        _check_literals(self, "", ("softmax_backend", "sigmoid_backend"))
+        why = NOT_DETERMINISTIC.get(self.softmax_backend)
+        _check(
+            not (self.train.deterministic and why),
+            "softmax_backend",
+            f"{self.softmax_backend!r} cannot be deterministic ({why}) and train.deterministic is "
+            "on; use auto, softmax-triton, softmax-flash or softmax-reference",
+        )
+
     @property
     def task(self) -> Literal["mlm", "lm"]:
         """mlm: masked tokens of cells, encoder; lm: next tokens of text, causal decoder."""
@@ -606,7 +643,11 @@ class Config:
     def backend_for(self, arm: str, cuda: bool) -> str:
         """The registered attention backend of an arm or cell on this machine."""
         if self.attention_of(arm) == "softmax":
-            return self.softmax_backend
+            if self.softmax_backend != "auto":
+                return self.softmax_backend
+            if not self.train.deterministic:
+                return "softmax"
+            return "softmax-triton" if cuda else "softmax-reference"
         if self.sigmoid_backend == "auto":
             return "sigmoid-triton" if cuda else "sigmoid-reference"
         return self.sigmoid_backend

@@ -8,9 +8,11 @@ import torch
 from stabilitylab.attention import available, get_backend, max_abs_logit
 from stabilitylab.kernels.reference import key_mask_BT
 
-# sigmoid-triton on CPU tensors: Triton's interpreter (tests/conftest.py)
-BACKENDS = [pytest.param(n, marks=pytest.mark.interpreter) if n.startswith("sigmoid-triton") else n
+# The Triton backends on CPU tensors: Triton's interpreter (tests/conftest.py)
+BACKENDS = [pytest.param(n, marks=pytest.mark.interpreter) if "-triton" in n else n
             for n in available()]  # fmt: skip
+# softmax-flash takes no padding and no key bias (refused: test_softmax_flash_refuses_by_name)
+PADDING_BACKENDS = [b for b in BACKENDS if b != "softmax-flash"]
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
@@ -23,7 +25,7 @@ def _reference_cases() -> list:
         for causal in (False, True):
             for kind in (None, "BT", "BHT"):
                 tag = f"{name}-{'causal' if causal else 'full'}-{kind or 'nobias'}"
-                if not name.startswith("sigmoid-triton"):
+                if "-triton" not in name:
                     cases.append(pytest.param(name, "cpu", causal, kind, id=f"{tag}-cpu"))
                     continue
                 if not causal and kind is None:
@@ -100,6 +102,10 @@ def test_backend_matches_float64_reference(name, device, causal, key_bias, bias,
     q, k, v, lengths = (t.to(device) for t in (q, k, v, lengths))
     kw = {name_: t.to(device) for name_, t in kw.items()}
     backend = get_backend(name)
+    if name == "softmax-flash" and (kw or min(lens) < 37):
+        with pytest.raises(ValueError, match="'softmax-flash' takes no"):
+            backend(q, k, v, lengths, causal=causal, **kw)
+        return
     out, stats = backend(
         q, k, v, lengths, causal=causal, sigmoid_bias=bias, return_max_logit=True, **kw
     )
@@ -123,6 +129,7 @@ def test_backend_matches_float64_reference(name, device, causal, key_bias, bias,
 GRAD_BACKENDS = ["softmax", "softmax-reference", "sigmoid-reference",
                  pytest.param("softmax-flex", marks=pytest.mark.gpu),
                  pytest.param("sigmoid-triton", marks=GPU),
+                 pytest.param("softmax-triton", marks=GPU),
                  pytest.param("sigmoid-triton-exact", marks=GPU)]  # fmt: skip
 
 
@@ -133,8 +140,8 @@ def test_key_bias_gradient_matches_float64_autograd(name, causal, kind):
     """d key_bias (and dq, dk, dv) from each backend against autograd through float64 maths: the
     gate learns through this gradient (sum over queries, and heads for key_bias_BT). The Triton
     backends (head dim 64 or 128) on CUDA; their interpreter runs are in tests/test_kernels.py."""
-    device = "cuda" if name in ("softmax-flex", "sigmoid-triton", "sigmoid-triton-exact") else "cpu"
-    D = 64 if name.startswith("sigmoid-triton") else 32
+    device = "cuda" if name == "softmax-flex" or "-triton" in name else "cpu"
+    D = 64 if "-triton" in name else 32
     q, k, v, lengths = _inputs(2, 3, 29, D, [29, 12], torch.float32, 7)
     kb = _key_bias(kind, 2, 3, 29, 7)[f"key_bias_{kind}"]
     leaves = [t.to(device).requires_grad_() for t in (q, k, v, kb)]
@@ -152,6 +159,32 @@ def test_key_bias_gradient_matches_float64_autograd(name, causal, kind):
     assert grads[3].abs().sum() > 0, "the key bias must receive a gradient"
     for label, g, g64 in zip(("q", "k", "v", "key_bias"), grads, grads64, strict=True):
         torch.testing.assert_close(g.double(), g64, atol=1e-4, rtol=1e-4, msg=label)
+
+
+def test_softmax_flash_refuses_padding_and_key_bias_by_name():
+    q, k, v, lengths = _inputs(2, 2, 8, 64, [8, 5], torch.float32, 0)
+    flash = get_backend("softmax-flash")
+    with pytest.raises(ValueError, match=r"'softmax-flash' takes no padding \(every lengths_B"):
+        flash(q, k, v, lengths)
+    full = torch.tensor([8, 8])
+    with pytest.raises(ValueError, match="'softmax-flash' takes no key_bias_BT / key_bias_BHT"):
+        flash(q, k, v, full, key_bias_BHT=torch.zeros(2, 2, 8))
+    out, _ = flash(q, k, v, full, causal=True)
+    torch.testing.assert_close(
+        out.double(), softmax_reference_f64(q, k, v, full, True), atol=2e-4, rtol=2e-4
+    )
+
+
+def test_backends_that_cannot_be_deterministic_are_registered_and_listed_in_the_config():
+    """train.deterministic refuses NOT_DETERMINISTIC by name (stabilitylab.config, without torch):
+    its names must be registered backends, and the config must offer every softmax backend."""
+    from typing import get_args, get_type_hints
+
+    from stabilitylab.config import NOT_DETERMINISTIC, Config
+
+    assert set(NOT_DETERMINISTIC) <= set(available())
+    offered = set(get_args(get_type_hints(Config)["softmax_backend"])) - {"auto"}
+    assert offered == {n for n in available() if n.startswith("softmax")}
 
 
 def test_softmax_flex_refuses_backward_on_cpu():
@@ -187,7 +220,7 @@ def test_sdpa_mask_kinds():
     assert torch.isneginf(m[0, 0, 2, 3]) and m[0, 0, 3, 2] == 0 and torch.isneginf(m[1, 0, 5, 4])
 
 
-@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("name", PADDING_BACKENDS)
 def test_padded_keys_contribute_nothing(name):
     q, k, v, lengths = _inputs(1, 2, 16, 64, [9], torch.float32, 1)
     out1, _ = get_backend(name)(q, k, v, lengths)
@@ -222,8 +255,10 @@ def test_softmax_refuses_lengths_out_of_range(bad):
 
 
 @pytest.mark.parametrize(
-    "name", ["softmax", pytest.param("sigmoid-triton", marks=pytest.mark.interpreter)]
-)
+    "name",
+    ["softmax", *(pytest.param(n, marks=pytest.mark.interpreter)
+                  for n in ("sigmoid-triton", "softmax-triton"))],
+)  # fmt: skip
 def test_backends_run_under_inference_mode(name, monkeypatch):
     """Inference tensors carry no version counter: the lengths caches must not ask for one."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # sigmoid-triton on CPU: the interpreter
@@ -231,7 +266,7 @@ def test_backends_run_under_inference_mode(name, monkeypatch):
         q, k, v, lengths = _inputs(2, 2, 16, 64, [16, 9], torch.float32, 3)
         out, _ = get_backend(name)(q, k, v, lengths)
         out2, _ = get_backend(name)(q, k, v, lengths)
-    ref = softmax_reference_f64 if name == "softmax" else sigmoid_reference_f64
+    ref = softmax_reference_f64 if name.startswith("softmax") else sigmoid_reference_f64
     torch.testing.assert_close(out.double(), ref(q, k, v, lengths), atol=2e-4, rtol=2e-4)
     assert torch.equal(out, out2)
 

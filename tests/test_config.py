@@ -128,6 +128,52 @@ def test_a_section_added_later_is_checked_too():
         WithExtra(preset="smoke", extra=Extra(tau=math.nan))
 
 
+def test_deterministic_picks_deterministic_backends_and_refuses_the_others_by_name():
+    """train.deterministic: the auto backends resolve to deterministic kernels (the references on
+    CPU); an explicit softmax backend that can differ run to run is refused before any work."""
+    plain = C.parse(["--preset", "smoke"])
+    assert plain.train.deterministic is False
+    assert plain.backend_for("softmax", cuda=True) == "softmax"
+    det = C.parse(["--preset", "smoke", "--train.deterministic=True"])
+    assert det.backend_for("softmax", cuda=True) == "softmax-triton"
+    assert det.backend_for("softmax", cuda=False) == "softmax-reference"
+    assert det.backend_for("sigmoid", cuda=True) == "sigmoid-triton"
+    assert det.backend_for("sigmoid", cuda=False) == "sigmoid-reference"
+    assert det.backend_for("sm-g-rope", cuda=True) == "softmax-triton"
+    for name in ("softmax", "softmax-flex"):
+        with pytest.raises(C.ConfigError, match=f"config softmax_backend: '{name}' cannot be det"):
+            C.parse(
+                ["--preset", "smoke", "--train.deterministic=True", f"--softmax_backend={name}"]
+            )
+    for name in ("softmax-triton", "softmax-flash", "softmax-reference"):
+        cfg = C.parse(
+            ["--preset", "smoke", "--train.deterministic=True", f"--softmax_backend={name}"]
+        )
+        assert cfg.backend_for("softmax", cuda=True) == name
+    with pytest.raises(C.ConfigError, match="config train.deterministic: must be True or False"):
+        C.TrainConfig(deterministic="yes")
+    saved = C.to_dict(det)
+    saved["softmax_backend"] = "softmax-fast"
+    with pytest.raises(C.ConfigError, match="config softmax_backend: unknown kind 'softmax-fast'"):
+        C.from_dict(saved)
+
+
+def test_deterministic_sets_torch_for_the_arm_and_off_again(monkeypatch):
+    import torch
+
+    from stabilitylab.train import build
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        build.apply_determinism(C.parse(["--preset", "smoke", "--train.deterministic=True"]))
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        build.apply_determinism(C.parse(["--preset", "smoke"]))
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def test_micro_batch_must_divide_global_batch_before_any_work():
     with pytest.raises(C.ConfigError, match="train.micro_batch.*global_batch=16"):
         C.parse(["--preset", "smoke", "--train.micro_batch=5"])

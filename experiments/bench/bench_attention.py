@@ -9,7 +9,8 @@ round, then the table and the kernel bars. Grid: bf16, head dim 64/128, T = 1K..
 per batch (B = 16384 / T), hidden 2048 (H = 2048 / D), padding 0/25/50% (every sequence has
 L = (1 - p) T valid tokens). TFLOPS count valid tokens only: forward 4 H D sum(L^2), backward 2.5x
 forward; time = do_bench median (ms). ``sigmoid-triton`` is the op as the model calls it,
-``sigmoid-triton-exact`` its exact sigmoid mode. Softmax baselines get a key-padding mask where
+``sigmoid-triton-exact`` its exact sigmoid mode, ``softmax-triton`` the softmax kernel on the same
+skeleton (padding by lengths, as the sigmoid op). Softmax baselines get a key-padding mask where
 they support one (cuDNN: boolean mask; flash: none, so padded rows are skipped; FlexAttention: a
 block mask that skips padded blocks). Expected on an H200 (shared/notes/kernel-levers.md): cuDNN
 ~445 fwd TFLOPS at hd64, ~600 at hd128.
@@ -45,12 +46,13 @@ from stabilitylab.analysis.bench_report import (
     model_step_bar,
     summary,
 )
-from stabilitylab.kernels import sigmoid_attention
+from stabilitylab.kernels import sigmoid_attention, softmax_attention
 from stabilitylab.kernels.reference import key_mask_BT, sigmoid_attention_reference
 from stabilitylab.kernels.sigmoid_attention import EXACT, TANH_F32, _fwd_op
 
 TOKENS, HIDDEN = 16_384, 2048
-PROVIDERS = ["sigmoid-triton", "sigmoid-triton-exact", "cudnn", "flash", "flex", "eager-sigmoid"]
+PROVIDERS = ["sigmoid-triton", "sigmoid-triton-exact", "softmax-triton", "cudnn", "flash", "flex",
+             "eager-sigmoid"]  # fmt: skip
 
 
 def flops_fwd(H: int, D: int, lengths: list[int]) -> float:
@@ -77,6 +79,8 @@ def provider_fn(name: str, q, k, v, lengths_B) -> Callable[[], torch.Tensor] | N
         return lambda: sigmoid_attention(q, k, v, lengths_B)[0]
     if name == "sigmoid-triton-exact":
         return lambda: sigmoid_attention(q, k, v, lengths_B, exact=True)[0]
+    if name == "softmax-triton":
+        return lambda: softmax_attention(q, k, v, lengths_B)[0]
     if name == "cudnn":
         mask = valid_BT[:, None, None, :] if padded else None
 

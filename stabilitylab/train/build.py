@@ -38,6 +38,17 @@ def mixed_precision(cfg: Config, cuda: bool) -> tuple[str, str]:
     return ("bf16" if precision == "bf16" else "no"), "train.precision"
 
 
+def apply_determinism(cfg: Config) -> None:
+    """``train.deterministic`` for this process, on or off (the config decides each arm):
+    ``torch.use_deterministic_algorithms``, which makes an op with no deterministic kernel raise,
+    naming itself, and which the Triton kernels read at launch to pin their configs; and the
+    fixed cuBLAS workspace that deterministic matmuls need (CUDA reads it when it first creates a
+    cuBLAS handle, so before the first matmul; a value already set is kept)."""
+    if cfg.train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(cfg.train.deterministic)
+
+
 def make_accelerator(cfg: Config, arm_dir: Path, purge_step: int | None):
     """An Accelerator whose trackers write this arm's events into ``arm_dir``."""
     from accelerate import Accelerator

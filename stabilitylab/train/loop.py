@@ -310,6 +310,7 @@ def _train_arm(cfg: Config, arm: str, data: TaskData):
     from accelerate import PartialState
 
     cuda = torch.cuda.is_available()
+    build.apply_determinism(cfg)  # before the arm's first matmul
     state = PartialState(cpu=not cuda)
     plan, backend, config = _start(cfg, arm, data, state)
     d = runs.arm_dir(cfg, arm)
