@@ -101,34 +101,26 @@ def test_tensorboard_server_reads_scalars_while_the_run_goes_on(tmp_path):
 
 
 def _smoke_cmd(out_dir, launcher):
+    """The smoke preset's paired run (both arms), 12 steps, deterministic, without dropout: the
+    settings under which one process and two must give the same curves."""
     return [
         *launcher,
         "experiments/stress_8k.py",
         "--preset",
         "smoke",
-        "--arm",
-        "softmax",
         f"--out_dir={out_dir}",
         "--report=False",
         "--train.steps=12",
         "--train.micro_batch=4",
+        "--train.deterministic=True",
+        "--model.dropout=0",
     ]
 
 
-@pytest.mark.slow
-def test_two_cpu_processes_match_one_at_the_same_global_batch(tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("CPU-process test")
-    one = subprocess.run(
-        _smoke_cmd(tmp_path / "one", [sys.executable]),
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert one.returncode == 0, one.stderr[-3000:]
-    launcher = [
+def _two_processes() -> list[str]:
+    """accelerate launch with two gloo processes on CPU (the trainer builds Accelerator(cpu=True));
+    ``--cpu`` would start one process here (multi-CPU mode expects MPI)."""
+    return [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
@@ -144,16 +136,43 @@ def test_two_cpu_processes_match_one_at_the_same_global_batch(tmp_path):
         "--main_process_port",
         str(free_port()),
     ]
-    two = subprocess.run(
-        _smoke_cmd(tmp_path / "two", launcher),
+
+
+def _launch(out_dir: Path, launcher: list[str]) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        _smoke_cmd(out_dir, launcher),
         cwd=ROOT,
         env=ENV,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert two.returncode == 0, two.stderr[-3000:]
-    d1, d2 = tmp_path / "one" / "smoke" / "softmax", tmp_path / "two" / "smoke" / "softmax"
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """The paired smoke run once with one process and twice with two; name -> (out_dir/smoke,
+    the finished launch)."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU-process test")
+    root = tmp_path_factory.mktemp("ddp")
+    launchers = {"one": [sys.executable], "two": _two_processes(), "two_again": _two_processes()}
+    return {
+        name: (root / name / "smoke", _launch(root / name, launcher))
+        for name, launcher in launchers.items()
+    }
+
+
+def _history(smoke_dir: Path, arm: str) -> dict:
+    return read_state(smoke_dir / arm / "checkpoints" / "last")["history"]
+
+
+@pytest.mark.slow
+def test_two_cpu_processes_match_one_at_the_same_global_batch(smoke_runs):
+    (one, _), (two, launched) = smoke_runs["one"], smoke_runs["two"]
+    d1, d2 = one / "softmax", two / "softmax"
     assert json.loads((d2 / "provenance.json").read_text())["world_size"] == 2
     last2 = d2 / "checkpoints" / "last"
     manifest = json.loads((last2 / "manifest.json").read_text())
@@ -162,9 +181,30 @@ def test_two_cpu_processes_match_one_at_the_same_global_batch(tmp_path):
         "rng1.pt",
         "state.pt",
     ]
-    assert "processes=2" in two.stdout + two.stderr
+    assert "processes=2" in launched.stdout + launched.stderr
     h1 = read_state(d1 / "checkpoints" / "last")["history"]["loss"]
     h2 = read_state(last2)["history"]["loss"]
     assert len(h1) == len(h2) == 12
     torch.testing.assert_close(torch.tensor(h2), torch.tensor(h1), rtol=1e-5, atol=1e-6)
     assert h1[-1] < h1[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arm", ["softmax", "sigmoid"])
+def test_deterministic_two_processes_repeat_bit_for_bit_and_match_one(smoke_runs, arm):
+    """train.deterministic under DDP: gloo's all-reduce sums in a fixed order for a fixed layout,
+    so two launches of two processes give the same curves bit for bit, and one process's curve
+    within float32 rounding (its accumulation adds the micro-batches in another order)."""
+    one, two, again = (smoke_runs[k][0] for k in ("one", "two", "two_again"))
+    expected = {"softmax": "softmax-reference", "sigmoid": "sigmoid-reference"}[arm]
+    for smoke_dir in (one, two, again):
+        config = json.loads((smoke_dir / arm / "config.json").read_text())
+        assert config["train"]["deterministic"] is True
+        assert config["backend"] == expected
+        assert config["model"]["dropout"] == 0
+    h2, h2_again = _history(two, arm), _history(again, arm)
+    for key in ("loss", "grad_norm"):
+        assert len(h2[key]) == 12
+        assert torch.equal(torch.tensor(h2[key]), torch.tensor(h2_again[key])), key
+    loss1, loss2 = torch.tensor(_history(one, arm)["loss"]), torch.tensor(h2["loss"])
+    torch.testing.assert_close(loss2, loss1, rtol=1e-5, atol=1e-6)
