@@ -19,50 +19,29 @@ tokens include the, a, an, The, It. The tiny run's gates are still ~0.992 everyw
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-import torch
+import kv_run  # the scripts' shared flags and loading (this folder)
 
 from stabilitylab.analysis.kv_figures import figure_gate_categories
-from stabilitylab.eviction.cells import load_cells
 from stabilitylab.probes.model_probes import gate_category_tables
-from stabilitylab.probes.probe_text import cell_windows, gpt2_pieces_fn
+from stabilitylab.probes.probe_text import gpt2_pieces_fn
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--run", type=Path, required=True, help="a run dir holding cell dirs")
-    p.add_argument("--out", type=Path, default=None, help="default: <run>/probes")
-    p.add_argument("--cells", nargs="+", default=None, help="default: every trained gated cell")
-    p.add_argument("--split", default="test", choices=["val", "test"])
-    p.add_argument("--windows", type=int, default=None, help="default: every window of the split")
+    p = kv_run.parser(__doc__, windows=None, cells_help="every trained gated cell")
     p.add_argument("--k", type=int, default=10, help="extreme tokens at each end")
     p.add_argument("--min-count", type=int, default=5, help="least occurrences of a ranked token")
-    p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    out = args.out or args.run / "probes"
-    cells = load_cells(args.run, args.cells, args.device)
-    gated = {name: c for name, c in cells.items() if c.model.cfg.gates}
-    if not gated:
-        raise SystemExit(f"error: no gated cell among {list(cells)} under {args.run}")
-    data_cfg = next(iter(gated.values())).config.data
-    tokens_BT, lengths_B, vocab = cell_windows(
-        args.run, list(gated), data_cfg, args.split, args.windows
-    )
+    r = kv_run.open_run(args, gated_only=True)
+    out, tokens_BT, lengths_B = r.out, r.tokens_BT, r.lengths_B
     tables = gate_category_tables(
-        {name: c.model for name, c in gated.items()}, tokens_BT, lengths_B,
-        gpt2_pieces_fn(vocab), args.k, args.min_count, args.batch_size,
+        r.models, tokens_BT, lengths_B, gpt2_pieces_fn(r.vocab), args.k, args.min_count, args.batch_size,
     )  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
-    for name, table in tables.items():
-        table.to_csv(out / f"{name}.csv", index=False)
+    kv_run.write_tables(tables, out)
     table4 = tables["table4_categories"]
     print(f"{len(lengths_B)} {args.split} windows; mean gate per category (count in brackets):")
     labels = [f"{g:.3f} ({n})" for g, n in zip(table4["mean_gate"], table4["count"], strict=True)]

@@ -19,48 +19,29 @@ run gives smaller numbers; at p = 0 every perturbation is exactly 0.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-import torch
+import kv_run  # the scripts' shared flags and loading (this folder)
 
 from stabilitylab.analysis.kv_figures import figure_perturbation
-from stabilitylab.eviction.cells import load_cells
 from stabilitylab.probes.model_probes import PROTOCOLS, support_removal_tables
-from stabilitylab.probes.probe_text import cell_windows
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--run", type=Path, required=True, help="a run dir holding cell dirs")
-    p.add_argument("--out", type=Path, default=None, help="default: <run>/probes")
-    p.add_argument("--cells", nargs="+", default=None, help="default: every trained cell")
-    p.add_argument("--split", default="test", choices=["val", "test"])
-    p.add_argument("--windows", type=int, default=50, help="evaluation windows (the paper: 50)")
+    p = kv_run.parser(__doc__, windows=50)
     p.add_argument("--ps", type=float, nargs="+", default=[0.1, 0.3, 0.5])
     p.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=PROTOCOLS)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    out = args.out or args.run / "probes"
-    cells = load_cells(args.run, args.cells, args.device)
-    data_cfg = next(iter(cells.values())).config.data
-    tokens_BT, lengths_B, _ = cell_windows(
-        args.run, list(cells), data_cfg, args.split, args.windows
-    )
-    models = {name: c.model for name, c in cells.items()}
+    r = kv_run.open_run(args)
+    out, models, tokens_BT, lengths_B = r.out, r.models, r.tokens_BT, r.lengths_B
     tables = support_removal_tables(
         models, tokens_BT, lengths_B, args.ps, args.seed, args.protocols, args.batch_size
     )
-    out.mkdir(parents=True, exist_ok=True)
-    for name, table in tables.items():
-        table.to_csv(out / f"{name}.csv", index=False)
+    kv_run.write_tables(tables, out)
     wide = tables["support_removal_summary"].pivot_table(
         index=["protocol", "p"], columns="cell", values="perturbation", sort=False
     )
