@@ -15,6 +15,7 @@ GPU) join by concatenating their CSVs (``merge_studies``).
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import matplotlib
@@ -199,15 +200,31 @@ def _header_of(study_dir: Path) -> str:
     return parts[1].strip() if len(parts) > 1 and not parts[1].startswith("#") else str(study_dir)
 
 
+def _read_csv(path: Path) -> pd.DataFrame:
+    """A table's CSV; an empty table (e.g. table2 of a study without a gated cell) has no header."""
+    try:
+        return pd.read_csv(path)
+    except pd.errors.EmptyDataError:
+        return pd.DataFrame()
+
+
+def _concat(parts: list[pd.DataFrame]) -> pd.DataFrame:
+    """Rows of the non-empty parts (an all-NaN column, e.g. ``note``, keeps its dtype)."""
+    full = [p for p in parts if len(p)] or parts[:1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # pandas' all-NA concat notice
+        return pd.concat(full, ignore_index=True)
+
+
 def merge_studies(study_dirs: list[str | Path], out_dir: str | Path) -> dict[str, Path]:
     """Studies of disjoint cells (e.g. one process per dense / gated pair) joined into one: each
     table's rows concatenated, the figures redrawn, study.md rewritten."""
     dirs = [Path(d) for d in study_dirs]
     tables: dict[str, pd.DataFrame] = {}
     for name in (*EVICTION_TABLES, *PROBE_TABLES):
-        parts = [pd.read_csv(d / f"{name}.csv") for d in dirs if (d / f"{name}.csv").is_file()]
+        parts = [_read_csv(d / f"{name}.csv") for d in dirs if (d / f"{name}.csv").is_file()]
         if parts:
-            tables[name] = pd.concat(parts, ignore_index=True)
+            tables[name] = _concat(parts)
     cells = tables["table1"]["cell"] if "table1" in tables else pd.Series(dtype=str)
     if cells.duplicated().any():
         raise ValueError(f"cells {sorted(set(cells[cells.duplicated()]))} are in two studies")

@@ -135,6 +135,13 @@ def kv_study_main(argv: list[str] | None = None) -> int:
                 f"config data.source: the KV-eviction study trains on text, got "
                 f"{cfg.data.source!r} (preset {cfg.preset!r}); pick --preset tiny, reduced or paper"
             )
+        if cfg.study.parallel:
+            from stabilitylab.eviction.pairs import run_pairs
+
+            code, study_md = run_pairs(sys.argv[1:] if argv is None else argv, cfg)
+            if study_md is not None:
+                print(f"study: {study_md}")
+            return code
         import torch
         from accelerate import PartialState
 

@@ -199,7 +199,8 @@ def kv_reduced() -> Config:
     are skipped. The study: the tau sweep on the first 16 validation windows (4,096 scored tokens),
     test on 32, diagnostics on 8; the eager decode loop takes ~2-5 s per evaluation of 16-32
     windows on the H200, so the four gated sweeps and tests take ~1-2 min per cell pair.
-    Measured (docs/RESULTS.md, section 6): 8 cells as 4 processes of 2 on one H200, each cell
+    Measured (docs/RESULTS.md, section 6): 8 cells as 4 processes of 2 on one H200
+    (--study.parallel=True), each cell
     306-348 s of training (~11.5 min for all 8), 14.6-14.8 GiB peak per process.
     """
     return Config(

@@ -359,3 +359,28 @@ def test_each_probe_script_runs_on_the_trained_cells(trained, tmp_path, monkeypa
     module.main()
     for f in files:
         assert (tmp_path / f).stat().st_size > 0, f
+
+
+def test_pairs_group_each_gated_cell_with_its_backbone():
+    from stabilitylab.eviction.pairs import cell_groups, child_argv
+
+    groups = cell_groups(["sig-g-rope", "sm-rope", "sig-rope", "sig-nope", "sm-g-rope"])
+    assert groups == [["sig-rope", "sig-g-rope"], ["sm-rope", "sm-g-rope"], ["sig-nope"]]
+    argv = child_argv(["--preset", "tiny", "--cells", "sm-rope"], ["a", "b"], Path("/o"))
+    assert argv[-5:] == ["--cells", "a", "b", "--study.parallel=False", "--study.out_dir=/o"]
+
+
+def test_the_parallel_study_runs_one_process_per_pair_and_joins_them(tmp_path):
+    """Two pairs and a lone dense cell in three processes, joined into one study."""
+    argv = ["--preset", "tiny", f"--out_dir={tmp_path}", "--train.steps=10", "--report=False",
+            "--telemetry.val_every=5", *STUDY, "--study.parallel=True",
+            "--cells", "sm-rope", "sm-g-rope", "sig-rope", "sig-g-rope", "sig-nope"]  # fmt: skip
+    assert kv_study_main(argv) == 0
+    run_dir = tmp_path / "kv_tiny"
+    assert sorted(p.name for p in run_dir.glob("study-*.log")) == [
+        "study-sig-nope.log", "study-sig-rope.log", "study-sm-rope.log"
+    ]  # fmt: skip
+    t1 = pd.read_csv(run_dir / "study" / "table1.csv")
+    assert sorted(t1["cell"]) == ["sig-g-rope", "sig-nope", "sig-rope", "sm-g-rope", "sm-rope"]
+    assert sorted(pd.read_csv(run_dir / "study" / "table2.csv")["cell"]) == ["sig-g-rope", "sm-g-rope"]  # fmt: skip
+    assert "Merged from" in (run_dir / "study" / "study.md").read_text()
