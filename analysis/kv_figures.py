@@ -24,6 +24,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 MARKERS = "osD^vP*X"
+LOG_SPAN = 100.0
+"""A panel whose values span more than this factor is drawn on a log axis."""
 KIND_STYLE = {"softmax": ("Blues", "-"), "sigmoid": ("Reds", "--")}
 
 
@@ -75,7 +77,11 @@ def figure_perturbation(support_removal_df: pd.DataFrame, path: str | Path) -> P
     for r, protocol in enumerate(protocols):
         for c, p in enumerate(ps):
             ax = axes[r][c]
-            _lines(ax, df[(df["protocol"] == protocol) & (df["p"] == p)], "perturbation", styles)
+            panel = df[(df["protocol"] == protocol) & (df["p"] == p)]
+            _lines(ax, panel, "perturbation", styles)
+            values = panel["perturbation"][panel["perturbation"] > 0]
+            if len(values) and values.max() > LOG_SPAN * values.min():
+                ax.set_yscale("log")  # a layer near zero output makes the ratio huge
             ax.set_title(f"p = {p:g}" + (f", {protocol}" if protocol else ""))
             ax.set_xlabel("layer")
             ax.set_ylabel("||O~ - O||_F / ||O||_F")
