@@ -6,7 +6,8 @@ warning, the per-run report and the LR sweep.
 
 Modules: ``events`` (reading), ``detectors`` (pure numpy rules, also used online by the
 trainer), ``early_warning``, ``stats``, ``settings`` (the config keys runs differ in), ``rates``
-(outcome rates and false alarms over repeated runs), ``plots``, ``markdown``, ``report``,
+(outcome rates and false alarms over repeated runs), ``identity`` (are two runs bit-identical),
+``plots``, ``markdown``, ``report``,
 ``sweep``, ``map``.
 Importing this package loads nothing heavy; ``plots`` / ``report`` / ``sweep`` pull in matplotlib.
 """
