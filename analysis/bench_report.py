@@ -7,7 +7,9 @@ kernels under the same conditions (clock, power cap, neighbours); the bars are m
 ratios.
 
 Bars (T >= 4096, bf16): the op's forward and backward TFLOPS >= SDPA cuDNN's at each head dim, and
-the op's TFLOPS with 25% padding within 10% of its unpadded figure.
+the op's TFLOPS with 25% padding within 10% of its unpadded figure; the softmax kernel's forward
+and backward >= 0.9x cuDNN's, autotuned (``softmax-triton``) and deterministic
+(``softmax-triton-det``, the configs train.deterministic pins), when the run timed them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pandas as pd
 OP, BASELINE = "sigmoid-triton", "cudnn"
 BAR_MIN_T = 4096
 PAD_BAR, PAD_TOLERANCE = 0.25, 0.10
+SOFTMAX_OPS, SOFTMAX_THRESHOLD = ("softmax-triton", "softmax-triton-det"), 0.9
 
 
 def summary(df: pd.DataFrame) -> pd.DataFrame:
@@ -65,9 +68,10 @@ def _ratio_row(name: str, D: int, T: int, num: pd.Series, den: pd.Series, thresh
 def bars(df: pd.DataFrame) -> pd.DataFrame:
     """The kernel bars from one run: medians (and ranges) of per-round ratios.
 
-    Rows: ``fwd vs cudnn`` / ``bwd vs cudnn`` (op / cuDNN TFLOPS, unpadded; threshold 1) and
-    ``fwd 25% pad`` / ``bwd 25% pad`` (op padded / op unpadded TFLOPS; threshold 0.9), for every
-    head dim and every T >= 4096 present in ``df``. Status: ``met`` when every round reaches the
+    Rows: ``fwd vs cudnn`` / ``bwd vs cudnn`` (op / cuDNN TFLOPS, unpadded; threshold 1),
+    ``fwd 25% pad`` / ``bwd 25% pad`` (op padded / op unpadded TFLOPS; threshold 0.9), and
+    ``<softmax op> fwd|bwd vs cudnn`` (threshold 0.9), for every head dim and every T >= 4096
+    present in ``df``. Status: ``met`` when every round reaches the
     threshold, ``tie`` when the median does but some round does not, ``not met`` when the median
     does not. A round whose reference figure is missing is left out; a round where the op
     failed counts as failing. A bar whose providers or shapes are missing from ``df`` is left out.
@@ -86,12 +90,33 @@ def bars(df: pd.DataFrame) -> pd.DataFrame:
             if (D, T) in pad_shapes:
                 padded, threshold = op_pad.loc[(D, T)][col], 1.0 - PAD_TOLERANCE
                 rows.append(_ratio_row(f"{kind} 25% pad", D, T, padded, op[col], threshold))
+    rows += _softmax_rows(df, base0)
     columns = ["bar", "D", "T", "rounds", "median", "low", "high", "rounds_passing", "status"]
     out = pd.DataFrame(rows, columns=columns)
     bar_names = [f"fwd vs {BASELINE}", f"bwd vs {BASELINE}", "fwd 25% pad", "bwd 25% pad"]
+    bar_names += [f"{op} {kind} vs {BASELINE}" for op in SOFTMAX_OPS for kind in ("fwd", "bwd")]
     order = {name: i for i, name in enumerate(bar_names)}
     out = out.sort_values(["bar", "D", "T"], key=lambda c: c.map(order) if c.name == "bar" else c)
     return out.reset_index(drop=True)
+
+
+def _softmax_rows(df: pd.DataFrame, base0: pd.DataFrame) -> list[dict]:
+    """``<softmax op> fwd|bwd vs cudnn`` rows (threshold ``SOFTMAX_THRESHOLD``), unpadded, for the
+    softmax ops and shapes that ``df`` holds with a cuDNN figure."""
+    rows = []
+    base_shapes = set(base0.index.droplevel("round"))
+    for name in SOFTMAX_OPS:
+        for (D, T), op in _per_round(df, name, 0.0).groupby(level=["D", "T"]):
+            if (D, T) not in base_shapes:
+                continue
+            op = op.droplevel(["D", "T"])
+            for kind in ("fwd", "bwd"):
+                col = f"{kind}_tflops"
+                bar = f"{name} {kind} vs {BASELINE}"
+                rows.append(
+                    _ratio_row(bar, D, T, op[col], base0.loc[(D, T)][col], SOFTMAX_THRESHOLD)
+                )
+    return rows
 
 
 def bars_markdown(table: pd.DataFrame) -> str:

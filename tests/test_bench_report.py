@@ -80,6 +80,61 @@ def test_bars_skip_short_sequences_and_report_missing_rounds():
     assert f"{((100 / 80 + 100 / 90) / 2 - 1) * 100:+.1f}%" in md  # median of two rounds
 
 
+def test_softmax_kernel_bars_are_point_nine_of_cudnn_autotuned_and_deterministic():
+    df = pd.DataFrame(
+        rows("softmax-triton", 64, 8192, 0.0, [95, 91], [85, 97])
+        + rows("softmax-triton-det", 64, 8192, 0.0, [80, 80], [90, 90])
+        + rows("softmax-triton", 64, 2048, 0.0, [10], [10])  # below 4K: no bar
+        + rows("cudnn", 64, 8192, 0.0, [100, 100], [100, 100])
+        + rows("cudnn", 64, 2048, 0.0, [100], [100])
+    )
+    table = bars(df)
+    assert not (table.bar == "fwd vs cudnn").any()  # no sigmoid rows: the op's bars are left out
+    fwd = bar(table, "softmax-triton fwd vs cudnn", 64, 8192)
+    assert fwd["median"] == pytest.approx(0.93) and fwd["status"] == "met"
+    assert bar(table, "softmax-triton bwd vs cudnn", 64, 8192)["status"] == "tie"
+    assert bar(table, "softmax-triton-det fwd vs cudnn", 64, 8192)["status"] == "not met"
+    assert bar(table, "softmax-triton-det bwd vs cudnn", 64, 8192)["status"] == "met"
+    assert set(table["T"]) == {8192} and len(table) == 4
+
+
+def test_deterministic_providers_run_in_deterministic_mode_and_restore_it(monkeypatch):
+    """A ``-det`` provider is its base provider's forward timed with
+    torch.use_deterministic_algorithms on; the mode before is back after, even on an error, and
+    the other providers are timed with it off."""
+    bench_attention = _script("bench_attention", monkeypatch)
+    seen = []
+    monkeypatch.setattr(
+        bench_attention,
+        "_time_fwd_bwd",
+        lambda fwd, q, k, v: seen.append(torch.are_deterministic_algorithms_enabled()) or (1, 2),
+    )
+    q = k = v = torch.zeros(1, 1, 8, 64)
+    assert not torch.are_deterministic_algorithms_enabled()
+    for name in ("softmax-triton-det", "softmax-triton", "flash-det"):
+        assert bench_attention.time_provider(name, lambda: None, q, k, v) == (1, 2)
+        assert not torch.are_deterministic_algorithms_enabled()
+    assert seen == [True, False, True]
+    with pytest.raises(RuntimeError), bench_attention.deterministic_mode(True):
+        raise RuntimeError("a provider failed")
+    assert not torch.are_deterministic_algorithms_enabled()
+    lengths = torch.tensor([8])
+    for name in bench_attention.DETERMINISTIC_PROVIDERS:
+        assert callable(bench_attention.provider_fn(name, q, k, v, lengths)), name
+    assert bench_attention.provider_fn("flash-det", q, k, v, torch.tensor([5])) is None  # padded
+
+
+def test_bench_attention_rejects_unknown_providers_naming_the_deterministic_ones(
+    capsys, monkeypatch
+):
+    bench_attention = _script("bench_attention", monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        bench_attention.main(["--providers", "cudnn-det"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown providers ['cudnn-det']" in err and "flash-det" in err
+
+
 def test_summary_cells_are_medians_over_rounds():
     df = pd.DataFrame(
         rows("sigmoid-triton", 64, 4096, 0.25, [10, 30, 20], [1, 3, 2])

@@ -10,10 +10,18 @@ per batch (B = 16384 / T), hidden 2048 (H = 2048 / D), padding 0/25/50% (every s
 L = (1 - p) T valid tokens). TFLOPS count valid tokens only: forward 4 H D sum(L^2), backward 2.5x
 forward; time = do_bench median (ms). ``sigmoid-triton`` is the op as the model calls it,
 ``sigmoid-triton-exact`` its exact sigmoid mode, ``softmax-triton`` the softmax kernel on the same
-skeleton (padding by lengths, as the sigmoid op). Softmax baselines get a key-padding mask where
-they support one (cuDNN: boolean mask; flash: none, so padded rows are skipped; FlexAttention: a
-block mask that skips padded blocks). Expected on an H200 (shared/notes/kernel-levers.md): cuDNN
-~445 fwd TFLOPS at hd64, ~600 at hd128.
+skeleton (padding by lengths, as the sigmoid op). On request, ``sigmoid-triton-det``,
+``softmax-triton-det`` and ``flash-det``: that provider under
+``torch.use_deterministic_algorithms``, as ``train.deterministic`` runs it (pinned Triton configs,
+flash's deterministic backward), the mode on for its own calls only. Softmax baselines get a
+key-padding mask where they support one (cuDNN: boolean mask; flash: none, so padded rows are
+skipped; FlexAttention: a block mask that skips padded blocks). Expected on an H200
+(shared/notes/kernel-levers.md): cuDNN ~445 fwd TFLOPS at hd64, ~600 at hd128.
+
+    # the deterministic paths against cuDNN and flash in one run (a few minutes on an H200):
+    python experiments/bench/bench_attention.py --seq-lens 4096 8192 --paddings 0 \
+        --providers softmax-triton softmax-triton-det cudnn flash flash-det sigmoid-triton \
+        sigmoid-triton-det --out runs/bench_det
 
 ``--model-step``: the stress_8k Transformer (12 x 768, hd 64) at T=8192, bf16 autocast, forward +
 masked-LM loss + backward, ``softmax`` vs ``sigmoid-triton`` backends, micro-batch 1 and 2,
@@ -27,6 +35,7 @@ round; tables show medians over rounds, bars medians of per-round ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import math
 import os
@@ -53,6 +62,12 @@ from stabilitylab.kernels.sigmoid_attention import EXACT, TANH_F32, _fwd_op
 TOKENS, HIDDEN = 16_384, 2048
 PROVIDERS = ["sigmoid-triton", "sigmoid-triton-exact", "softmax-triton", "cudnn", "flash", "flex",
              "eager-sigmoid"]  # fmt: skip
+DETERMINISTIC_PROVIDERS = ["sigmoid-triton-det", "softmax-triton-det", "flash-det"]
+KNOWN_PROVIDERS = PROVIDERS + DETERMINISTIC_PROVIDERS  # the default runs PROVIDERS
+DETERMINISTIC_SUFFIX = "-det"
+"""``<provider>-det``: the provider timed under ``torch.use_deterministic_algorithms(True)``, as
+train.deterministic runs it (the Triton kernels launch their one pinned config; flash takes its
+deterministic backward; new tensors are filled, as in training)."""
 
 
 def flops_fwd(H: int, D: int, lengths: list[int]) -> float:
@@ -70,8 +85,30 @@ def make_inputs(T: int, D: int, pad: float, device="cuda"):
     return q, k, v, lengths_B
 
 
+@contextlib.contextmanager
+def deterministic_mode(on: bool):
+    """``torch.use_deterministic_algorithms(on)`` inside, the previous mode (and its warn-only
+    flag) restored after, so one provider's mode never reaches another's timings."""
+    before, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
+def is_deterministic(name: str) -> bool:
+    return name.endswith(DETERMINISTIC_SUFFIX)
+
+
 def provider_fn(name: str, q, k, v, lengths_B) -> Callable[[], torch.Tensor] | None:
-    """A zero-argument forward for ``name`` on these inputs, or None when it does not apply."""
+    """A zero-argument forward for ``name`` on these inputs, or None when it does not apply. A
+    ``-det`` provider's forward is its base provider's; ``time_provider`` sets the mode."""
+    if is_deterministic(name):
+        return provider_fn(name.removesuffix(DETERMINISTIC_SUFFIX), q, k, v, lengths_B)
     B, H, T, D = q.shape
     padded = bool((lengths_B < T).any())
     valid_BT = key_mask_BT(lengths_B, T)
@@ -116,13 +153,19 @@ def provider_fn(name: str, q, k, v, lengths_B) -> Callable[[], torch.Tensor] | N
         if B * H * T * T > 2**32:
             return None  # the n x n scores and their grads would not fit comfortably
         return lambda: sigmoid_attention_reference(q, k, v, lengths_B)
-    raise ValueError(f"unknown provider {name!r}; choose from {PROVIDERS}")
+    raise ValueError(f"unknown provider {name!r}; choose from {KNOWN_PROVIDERS}")
 
 
 def time_provider(name, fwd, q, k, v) -> tuple[float, float]:
-    """do_bench medians (ms) of ``fwd`` and of its backward; NaN where ``fwd`` is None."""
+    """do_bench medians (ms) of ``fwd`` and of its backward; NaN where ``fwd`` is None. A ``-det``
+    provider is run, warm-up and timings, under ``deterministic_mode``, and only it."""
     if fwd is None:
         return float("nan"), float("nan")
+    with deterministic_mode(is_deterministic(name)):
+        return _time_fwd_bwd(fwd, q, k, v)
+
+
+def _time_fwd_bwd(fwd, q, k, v) -> tuple[float, float]:
     out = fwd()  # compile / autotune outside the timed region
     ms_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
     g = torch.randn_like(out)
@@ -260,7 +303,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--model-step", action="store_true", help="time the stress_8k Transformer step instead"
     )
-    p.add_argument("--providers", nargs="+", default=PROVIDERS)
+    p.add_argument(
+        "--providers", nargs="+", default=PROVIDERS,
+        help=f"default {' '.join(PROVIDERS)}; also {' '.join(DETERMINISTIC_PROVIDERS)}",
+    )  # fmt: skip
     p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     p.add_argument("--seq-lens", nargs="+", type=int, help="override the T grid")
     p.add_argument("--paddings", nargs="+", type=float, help="override the padding grid")
@@ -272,11 +318,13 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
-    unknown = [name for name in args.providers if name not in PROVIDERS]
+    unknown = [name for name in args.providers if name not in KNOWN_PROVIDERS]
     if unknown:
-        p.error(f"unknown providers {unknown}; choose from {PROVIDERS}")
+        p.error(f"unknown providers {unknown}; choose from {KNOWN_PROVIDERS}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention needs a CUDA GPU")
+    if any(map(is_deterministic, args.providers)):  # as train.deterministic: before any matmul
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     os.makedirs(args.out, exist_ok=True)
     print(provenance())
     if args.model_step:
