@@ -265,9 +265,16 @@ def kernels_from_profiler(prof, device_type: str) -> list[KernelTime]:
             and e.name.startswith("aten::")
             and e.self_cpu_time_total > 0
         ]
+    kineto = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if kineto is None:  # a torch without the raw events: names alone
+        return [
+            KernelTime(e.trace_name or e.name, e.time_range.elapsed_us())
+            for e in events
+            if e.device_type == DeviceType.CUDA
+        ]
     by_id = {e.id: e for e in events if e.device_type == DeviceType.CPU}
     out = []
-    for ke in prof.profiler.kineto_results.events():
+    for ke in kineto.events():
         if ke.device_type() != DeviceType.CUDA:
             continue
         launcher = by_id.get(ke.linked_correlation_id())

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from stabilitylab.analysis.step_profile import (
     ACT,
@@ -358,3 +359,24 @@ def test_profile_step_cpu_smoke(tmp_path):
         assert sum(ms.values()) == pytest.approx(wall, abs=0.01)
         assert ms[GEMM] > 0 and ms[LOSS] > 0 and ms[NORM] > 0
     assert "softmax / chunked-ce" in (tmp_path / "profile.md").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arm", ["sigmoid-triton", "softmax"])
+def test_profile_buckets_a_real_cuda_step(arm):
+    """On the GPU: the kernels of a real step land in their buckets, few of them uncategorised."""
+    from stabilitylab.config import ModelConfig
+    from stabilitylab.presets import smoke
+    from stabilitylab.train.levers import build_rig
+
+    sys.path.insert(0, str(ROOT / "experiments/bench"))
+    from profile_step import profile_rig
+
+    cfg = smoke()
+    cfg.model = ModelConfig(n_layers=2, d_model=128, n_heads=2, d_ff=512, dropout=0.1)
+    cfg.data.context_len = 1024
+    p = profile_rig(build_rig(cfg, arm, "eager", "cuda"), warmup=2, steps=2, trace=None)
+    for bucket in (ATTN_FWD, ATTN_BWD, GEMM, NORM, ACT, DROPOUT, EMBED, LOSS, OPTIM):
+        assert p.bucket_ms[bucket] > 0, (bucket, to_markdown(p))
+    assert p.bucket_ms[OTHER] <= 0.1 * p.kernel_ms, to_markdown(p)

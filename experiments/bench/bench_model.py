@@ -50,7 +50,7 @@ def prepare(cfg, arm: str, variant: str, micro_batch: int, kinds: dict) -> dict:
     base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     rig = build_rig(cfg, arm, variant, "cuda", micro_batch)
-    rig.step(record_logits=True, layer_stats=True)
+    rig.step(**({"record_logits": True, "layer_stats": True} if "logit" in kinds else {}))
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
     for _ in range(2):
@@ -91,17 +91,28 @@ def summarise(cfg, entry: dict, peak_tflops: float, every: int = 50) -> dict:
     return row
 
 
-def bench(cfg, arms, variants, micro_batch, steps, peak_tflops, telemetry=True) -> list[dict]:
+def bench(cfg, arms, variants, micro_batch, steps, peak_tflops, telemetry=True):
     """Every arm x variant built and warmed up, then timed in interleaved rounds: each round
     steps every one of them once per telemetry kind, so drift (clocks, allocator, neighbours)
-    hits them alike."""
+    hits them alike. Returns ``(rows, entries, skipped)``: a variant that fails to build or warm
+    up (a compile error, out of memory) is skipped, named, and the others still run."""
     kinds = KINDS if telemetry else {"bare": KINDS["bare"]}
-    entries = [prepare(cfg, a, v, micro_batch, kinds) for a in arms for v in variants]
+    entries, skipped = [], []
+    for a in arms:
+        for v in variants:
+            try:
+                entries.append(prepare(cfg, a, v, micro_batch, kinds))
+            except Exception as e:  # one failing variant (a compile error, OOM) spares the rest
+                print(f"SKIPPED {a} / {v}: {type(e).__name__}: {str(e)[:500]}", flush=True)
+                skipped.append(f"{a} / {v}")
+                torch.cuda.empty_cache()
+    if not entries:
+        raise SystemExit("error: no arm x variant could be built and warmed up")
     for _ in range(steps):
         for e in entries:
             for k, kw in kinds.items():
                 e["times"][k].append(timed_once(e["rig"], **kw))
-    return [summarise(cfg, e, peak_tflops) for e in entries], entries
+    return [summarise(cfg, e, peak_tflops) for e in entries], entries, skipped
 
 
 def main() -> None:
@@ -128,7 +139,7 @@ def main() -> None:
         raise SystemExit("error: bench_model.py needs a CUDA GPU")
     cfg = stress_8k()
     cfg.data.context_len = args.context
-    rows, entries = bench(
+    rows, entries, skipped = bench(
         cfg, args.arms, variants, args.micro_batch, args.steps, args.peak_tflops,
         telemetry=not args.no_telemetry,
     )  # fmt: skip
@@ -148,6 +159,8 @@ def main() -> None:
     for e in entries:
         if e["rig"].compile_note:
             print(f"compile {e['rig'].label}: {e['rig'].compile_note}")
+    if skipped:
+        raise SystemExit(f"error: skipped (see above): {skipped}")
 
 
 if __name__ == "__main__":

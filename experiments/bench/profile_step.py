@@ -103,13 +103,18 @@ def main() -> None:
         )
     cfg = config(args.tiny, args.context)
     args.out.mkdir(parents=True, exist_ok=True)
-    tables = []
+    tables, skipped = [], []
     for arm in args.arms:
         for variant in variants:
-            rig = build_rig(cfg, arm, variant, args.device, args.micro_batch)
             stem = f"{arm}__{variant}"
             trace = args.out / f"{stem}.json" if args.trace else None
-            p = profile_rig(rig, args.warmup, args.steps, trace)
+            try:
+                rig = build_rig(cfg, arm, variant, args.device, args.micro_batch)
+                p = profile_rig(rig, args.warmup, args.steps, trace)
+            except Exception as e:  # one failing variant (a compile error, OOM) spares the rest
+                print(f"SKIPPED {arm} / {variant}: {type(e).__name__}: {str(e)[:500]}", flush=True)
+                skipped.append(stem)
+                continue
             md = to_markdown(p) + (f"\ncompile: {rig.compile_note}\n" if rig.compile_note else "")
             (args.out / f"{stem}.md").write_text(md)
             (args.out / f"{stem}.csv").write_text(to_csv(p))
@@ -117,6 +122,8 @@ def main() -> None:
             print(md, flush=True)
             del rig
     (args.out / "profile.md").write_text("\n".join(tables))
+    if skipped:
+        raise SystemExit(f"error: skipped (see above): {skipped}")
 
 
 if __name__ == "__main__":

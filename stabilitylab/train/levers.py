@@ -7,11 +7,15 @@ summed masked-token loss over the labelled count, backward, global grad norm, ``
 AdamW, ``zero_grad``, one host read. Its phases are marked with ``record_function`` (``forward``,
 ``loss``, ``backward``, ``optimizer``) for ``stabilitylab.analysis.step_profile``.
 
-Levers (a variant is ``eager``, one lever alone, or ``all`` of them):
+Levers (a variant is ``eager``, one lever alone, or ``all`` of ``LEVERS``):
 
-- ``compile``: ``model.compile(fullgraph=True)``; a graph break falls back to ``fullgraph=False``
-  with the break's reason in ``StepRig.compile_note``. Dropout then draws other random numbers
-  (inductor's RNG): the same function, another sample.
+- ``compile``: ``model.compile(fullgraph=True, dynamic=False)`` (static shapes: a batch of
+  another size is another graph, never a symbolic one); a graph break falls back to
+  ``fullgraph=False`` with the break's reason in ``StepRig.compile_note``. Dropout then draws
+  other random numbers (inductor's RNG): the same function, another sample.
+- ``compile-blocks``: each block compiled alone (``fullgraph=True``), the embeddings, final norm
+  and head eager: the L identical blocks share one compiled graph, so it compiles about L times
+  faster than the whole model; it gives up fusing across block boundaries.
 - ``mb2``: two sequences per micro-batch (the per-token figures compare).
 - ``chunked-ce``: ``stabilitylab.chunked_loss.linear_cross_entropy_sum`` on the final norm's
   output: no full logits; the same loss to rounding.
@@ -36,7 +40,9 @@ from stabilitylab.telemetry import LayerStatsMonitor, LogitMonitor, global_grad_
 from stabilitylab.train.build import make_optimizer
 
 LEVERS = ("compile", "mb2", "chunked-ce", "no-copies")
-VARIANTS = ("eager", *LEVERS, "all")
+ALTERNATIVES = ("compile-blocks",)
+"""Variants measured alone but not part of ``all`` (another form of a lever in ``LEVERS``)."""
+VARIANTS = ("eager", *LEVERS, *ALTERNATIVES, "all")
 
 
 def variant_levers(variant: str) -> frozenset[str]:
@@ -165,9 +171,19 @@ def build_rig(
         batch=synthetic_batch(B, T, vocab, device),
         levers=levers,
     )
-    if "compile" in levers:
+    if "compile" in levers or "compile-blocks" in levers:
         rig.compile_note = _compile_checked(rig, compile_backend)
     return rig
+
+
+def raise_recompile_limit(limit: int = 64) -> None:
+    """Every compiled module shares one dynamo cache (it is keyed by ``Module._call_impl``'s code):
+    arms, variants and the telemetry flag's second graph each add entries, and past the limit
+    (8) dynamo runs the module eagerly, silently slow. Raised for the benchmark's many models."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(limit, getattr(dynamo_config, name)))
 
 
 def _compile_checked(rig: StepRig, compile_backend: str) -> str:
@@ -175,16 +191,20 @@ def _compile_checked(rig: StepRig, compile_backend: str) -> str:
     no update); on a graph break recompile with ``fullgraph=False``. Returns a note: the mode,
     the first break's reason if any, and the seconds the first traced step took."""
     model = rig.model
+    targets = list(model.blocks) if "compile-blocks" in rig.levers else [model]
+    raise_recompile_limit()
     t0 = time.perf_counter()
     try:
-        model.compile(fullgraph=True, backend=compile_backend)
+        for m in targets:
+            m.compile(fullgraph=True, dynamic=False, backend=compile_backend)
         rig.loss().backward()
         note = "fullgraph"
     except Exception as e:  # torch._dynamo's Unsupported / UserError, whatever the version
         reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         print(f"compile {rig.label}: fullgraph=True failed ({type(e).__name__}: {reason}); "
               "falling back to fullgraph=False")  # fmt: skip
-        model.compile(backend=compile_backend)
+        for m in targets:
+            m.compile(dynamic=False, backend=compile_backend)
         rig.loss().backward()
         note = f"graph breaks ({type(e).__name__}: {reason})"
     model.zero_grad(set_to_none=True)
