@@ -97,10 +97,6 @@ class StepRig:
     def device(self) -> torch.device:
         return self.batch[0].device
 
-    @property
-    def tokens(self) -> int:
-        return self.batch[0].numel()
-
     def loss(self) -> torch.Tensor:
         """Mean masked-token loss of the batch (forward and loss phases), float32."""
         tokens_BT, lengths_B, labels_BT = self.batch
