@@ -51,6 +51,7 @@ the Triton kernels and the references repeat without it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -112,11 +113,38 @@ def _zero_padded_rows(out_BHTD: torch.Tensor, lengths_B: torch.Tensor) -> torch.
 # ---- softmax: SDPA ----------------------------------------------------------------------------
 
 
+# Whether the batch a compiled model is running has no padding, set by ``compiled_lengths_hint``.
+# A traced function cannot read the lengths on the host; torch.compile reads this global as a
+# constant and guards on it (one graph per value).
+_UNPADDED_UNDER_COMPILE = False
+
+
+@contextlib.contextmanager
+def compiled_lengths_hint(lengths_B: torch.Tensor, T: int):
+    """Around a compiled model's forward: tell the traced ``softmax`` backend whether no row of
+    ``lengths_B`` is padded, read here, eagerly (``lengths_all_full``: one sync per new lengths
+    tensor, as in eager). Without it a compiled ``softmax`` model always passes SDPA a mask
+    (right for any lengths, but SDPA's flash and cuDNN kernels take none). No effect in eager."""
+    global _UNPADDED_UNDER_COMPILE
+    before = _UNPADDED_UNDER_COMPILE
+    _UNPADDED_UNDER_COMPILE = lengths_all_full(lengths_B, T)
+    try:
+        yield
+    finally:
+        _UNPADDED_UNDER_COMPILE = before
+
+
+def _unpadded(lengths_B: torch.Tensor, T: int) -> bool:
+    if torch.compiler.is_compiling():
+        return _UNPADDED_UNDER_COMPILE
+    return lengths_all_full(lengths_B, T)  # one host read per lengths_B (memo)
+
+
 def sdpa_mask(lengths_B, T: int, causal: bool, bias_BH1T, dtype) -> torch.Tensor | None:
     """SDPA's ``attn_mask`` for padding, causality and a key bias: ``None`` when only causality
     (or nothing) masks (SDPA's ``is_causal`` / unmasked kernels serve), a boolean mask without a
     bias, else the additive float mask ``bias + (-inf where not visible)`` in ``dtype``."""
-    full = lengths_all_full(lengths_B, T)  # one host read per lengths_B (memo)
+    full = _unpadded(lengths_B, T)
     if bias_BH1T is None and full:
         return None
     if causal:

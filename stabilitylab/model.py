@@ -61,6 +61,38 @@ def apply_rope(x_BHTD: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor)
     return (x_BHTD.float() * cos_TD + rotated_BHTD * sin_TD).to(x_BHTD.dtype)
 
 
+class _SplitQKV(torch.autograd.Function):
+    """``split_qkv_heads``: views forward; the backward writes the three gradients into one
+    ``(B, T, 3, H, D)`` buffer in a single pass. Autograd's own backward of ``view -> permute ->
+    unbind`` stacks them ``(3, B, H, T, D)`` and then copies that into the projection's layout:
+    two passes over 3 x B x T x C values."""
+
+    @staticmethod
+    def forward(ctx, qkv_BTX, n_heads: int):
+        B, T, X = qkv_BTX.shape
+        qkv_BT3HD = qkv_BTX.view(B, T, 3, n_heads, X // (3 * n_heads))
+        return qkv_BT3HD.permute(2, 0, 3, 1, 4).unbind(0)
+
+    @staticmethod
+    def backward(ctx, dq_BHTD, dk_BHTD, dv_BHTD):
+        grads = [dq_BHTD, dk_BHTD, dv_BHTD]
+        like = next(g for g in grads if g is not None)
+        grads = [torch.zeros_like(like) if g is None else g for g in grads]
+        d_BT3HD = torch.stack([g.transpose(1, 2) for g in grads], dim=2)
+        return d_BT3HD.flatten(2), None
+
+
+def split_qkv_heads(qkv_BTX: torch.Tensor, n_heads: int, one_pass_grad: bool = False):
+    """``(q_BHTD, k_BHTD, v_BHTD)``: views of the fused projection ``qkv_BTX`` (X = 3 H D, q then
+    k then v, heads within each). ``one_pass_grad``: the same values, with a backward that
+    assembles the gradient in one pass (``_SplitQKV``) instead of autograd's two."""
+    if one_pass_grad:
+        return _SplitQKV.apply(qkv_BTX, n_heads)
+    B, T, X = qkv_BTX.shape
+    qkv_BT3HD = qkv_BTX.view(B, T, 3, n_heads, X // (3 * n_heads))
+    return qkv_BT3HD.permute(2, 0, 3, 1, 4).unbind(0)
+
+
 def gate_key_bias(g: torch.Tensor) -> torch.Tensor:
     """The logit term of a gate: ``log(g + 1e-8)`` (0 at g = 1, about -18.4 at g = 0)."""
     return torch.log(g + GATE_EPS)
@@ -120,11 +152,13 @@ class SelfAttention(nn.Module):
         self.backend = get_backend(backend)
         self.record_max_logit = False
         self.max_logit_BH: torch.Tensor | None = None
+        self.one_pass_qkv_grad = False  # a speed lever (split_qkv_heads); same values
 
     def _qkv(self, x_BTC: torch.Tensor):
         B, T, C = x_BTC.shape
-        qkv_BT3HD = self.qkv(x_BTC).view(B, T, 3, self.n_heads, self.head_dim)
-        q_BHTD, k_BHTD, v_BHTD = qkv_BT3HD.permute(2, 0, 3, 1, 4).unbind(0)
+        q_BHTD, k_BHTD, v_BHTD = split_qkv_heads(
+            self.qkv(x_BTC), self.n_heads, self.one_pass_qkv_grad
+        )
         if isinstance(self.q_norm, nn.RMSNorm):
             # In float32 (the fused kernel wants input and gain in one dtype), then back to the
             # projection's dtype: under autocast attention runs in bf16.
@@ -245,8 +279,17 @@ class Transformer(nn.Module):
             if not on:
                 a.max_logit_BH = None
 
-    def forward(self, tokens_BT: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
-        """Returns logits over the vocabulary, ``logits_BTV``; sets ``self.gates``."""
+    def set_one_pass_qkv_grad(self, on: bool) -> None:
+        """The q/k/v gradient assembled in one pass (``split_qkv_heads``); the same values."""
+        for a in self.attention_layers:
+            a.one_pass_qkv_grad = on
+
+    def forward(
+        self, tokens_BT: torch.Tensor, lengths_B: torch.Tensor, return_hidden: bool = False
+    ) -> torch.Tensor:
+        """Returns logits over the vocabulary, ``logits_BTV``; sets ``self.gates``.
+        ``return_hidden``: the final norm's output ``h_BTC`` instead, for a loss that applies
+        ``self.head`` itself (``stabilitylab.chunked_loss``)."""
         x_BTC = self.tok_emb(tokens_BT)
         if self.pos_emb is not None:
             x_BTC = (
@@ -260,7 +303,8 @@ class Transformer(nn.Module):
             if gate is not None:
                 gates.append(gate)
         self.gates = gates
-        return self.head(self.ln_f(x_BTC))
+        h_BTC = self.ln_f(x_BTC)
+        return h_BTC if return_hidden else self.head(h_BTC)
 
 
 # ---- losses and accounting --------------------------------------------------------------------

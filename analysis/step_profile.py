@@ -1,0 +1,284 @@
+"""Where a training step's time goes: profiler kernels -> buckets -> a table (pure maths).
+
+``experiments/bench/profile_step.py`` runs a few warmed-up steps under ``torch.profiler`` and hands
+the kernels here. Each kernel (CUDA: its demangled name, the aten op that launched it, the step
+phase it ran in; CPU: each aten op's self time) goes to one bucket of ``BUCKETS`` by
+``kernel_bucket``; the idle/host gap is the step's wall time minus the summed kernel time, so the
+buckets of a step add up to its wall time by construction (on one stream; kernels overlapping on
+several streams would show as a negative gap).
+
+Rules, first match wins: attention kernels (ours, flash, cuDNN, memory-efficient) by phase of
+the name (fwd / bwd); every GEMM (cuBLAS sm90/nvjet/cutlass, gemv, split-K reduce, inductor mm
+templates) to ``gemm`` wherever it runs; then anything launched inside the ``loss`` or
+``optimizer`` phase (a chunked cross-entropy's softmax, the grad norm, ``found_inf``) to that
+phase; then names: norms, GELU, dropout, embedding, cross-entropy, optimizer, copies and casts,
+generic elementwise / reductions (``elementwise``), and the rest to ``other``, whose largest
+kernels the table lists so that nothing uncategorised hides. Inductor's fused kernels
+(``triton_poi_fused_native_layer_norm_gelu_...``) take the first bucket in that order whose op
+their name carries.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+ATTN_FWD, ATTN_BWD = "attention fwd", "attention bwd"
+GEMM, NORM, ACT, DROPOUT, EMBED = "gemm", "norm", "activation (GELU)", "dropout", "embedding"
+LOSS, OPTIM, COPY = "loss (CE)", "optimizer", "copy/cast/transpose"
+ELEMENTWISE, OTHER, IDLE = "elementwise (other)", "other (uncategorised)", "idle/host gap"
+BUCKETS = (
+    ATTN_FWD, ATTN_BWD, GEMM, NORM, ACT, DROPOUT, EMBED, LOSS, OPTIM, COPY, ELEMENTWISE, OTHER, IDLE,
+)  # fmt: skip
+PHASES = ("forward", "loss", "backward", "optimizer")
+"""The ``record_function`` names a profiled step marks its phases with."""
+
+_ATTN_FWD = (
+    "_sigmoid_fwd", "_softmax_fwd", "_max_abs_logit", "flash_fwd", "fmha_cutlassf", "fmha_fwd",
+    "flash_fprop", "sdpa_fprop", "attention_forward", "scaled_dot_product", "flex_attention",
+)  # fmt: skip
+_ATTN_BWD = (
+    "_sigmoid_bwd", "_softmax_bwd", "flash_bwd", "fmha_cutlassb", "fmha_bwd", "flash_bprop",
+    "sdpa_bprop", "attention_backward", "flex_attention_backward",
+)  # fmt: skip
+_GEMM = (
+    "gemm", "nvjet", "gemv", "splitkreduce", "cutlass", "xmma", "cublas", "triton_tem_fused_mm",
+    "triton_tem_fused_addmm", "triton_tem_fused_bmm", "aten::mm", "aten::addmm", "aten::bmm",
+    "aten::matmul", "aten::linear", "aten::baddbmm",
+)  # fmt: skip
+# By name, in this order (fused inductor kernels carry several op names).
+_BY_NAME = (
+    (LOSS, ("nll_loss", "logsoftmax", "log_softmax", "cross_entropy", "logsumexp")),
+    (OPTIM, ("fusedadam", "fused_adam", "adamw", "lpnormfunctor", "lpnorm_cleanup", "_foreach")),
+    (NORM, ("layer_norm", "layernorm", "rms_norm", "rmsnorm", "gammabetabackward")),
+    (ACT, ("gelu",)),
+    (DROPOUT, ("dropout", "masked_scale", "bernoulli", "inductor_random", "inductor_seeds")),
+    (
+        EMBED,
+        (
+            "embedding",
+            "indexselect",
+            "index_select",
+            "krn_partials_per_segment",
+            "krn_partial_segment_offset",
+            "compute_grad_weight",
+            "sum_and_scatter",
+            "compute_num_of_partial_segments",
+            "radixsort",
+        ),
+    ),  # fmt: skip
+    (
+        COPY,
+        (
+            "copy_kernel",
+            "catarraybatchedcopy",
+            "memcpy",
+            "transpose",
+            "permute",
+            "aten::copy_",
+            "aten::clone",
+            "aten::contiguous",
+            "aten::cat",
+            "aten::stack",
+            "aten::_to_copy",
+            "to_copy",
+        ),
+    ),  # fmt: skip
+    (
+        ELEMENTWISE,
+        (
+            "elementwise_kernel",
+            "reduce_kernel",
+            "triton_poi_",
+            "triton_red_",
+            "triton_per_",
+            "index_elementwise",
+            "memset",
+            "fill",
+        ),
+    ),  # fmt: skip
+)
+
+
+def kernel_bucket(name: str, op: str = "", phase: str = "") -> str:
+    """The bucket of one kernel: ``name`` (a CUDA kernel's demangled name, or a CPU aten op), the
+    aten op that launched it (``op``, may be empty) and the step phase it ran in (``phase``, one
+    of ``PHASES`` or empty). Unknown names go to ``OTHER``."""
+    text = f"{name} {op}".lower()
+    if any(s in text for s in _ATTN_BWD) or ("sdpa" in text and "bprop" in text):
+        return ATTN_BWD
+    if any(s in text for s in _ATTN_FWD) or ("sdpa" in text and "fprop" in text):
+        return ATTN_FWD
+    if any(s in text for s in _GEMM):
+        return GEMM
+    if phase == "loss":
+        return LOSS
+    if phase == "optimizer":
+        return OPTIM
+    for bucket, needles in _BY_NAME:
+        if any(s in text for s in needles):
+            return bucket
+    # A CPU profile's leaves are aten ops themselves: the rest of them is elementwise work.
+    return ELEMENTWISE if name.startswith("aten::") else OTHER
+
+
+@dataclass(frozen=True)
+class KernelTime:
+    """One kernel launch (or CPU op) of the profiled steps."""
+
+    name: str
+    us: float
+    op: str = ""
+    phase: str = ""
+
+
+@dataclass
+class StepProfile:
+    """Per-step time of one arm: milliseconds per bucket (``BUCKETS`` order, summing to
+    ``wall_ms``), the largest uncategorised and overall kernels ``(name, bucket, ms, calls)``."""
+
+    label: str
+    n_steps: int
+    wall_ms: float
+    bucket_ms: dict[str, float]
+    top_other: list[tuple[str, str, float, float]] = field(default_factory=list)
+    top_kernels: list[tuple[str, str, float, float]] = field(default_factory=list)
+    unprofiled_ms: float | None = None
+
+    @property
+    def kernel_ms(self) -> float:
+        return self.wall_ms - self.bucket_ms[IDLE]
+
+
+def summarise(
+    kernels: list[KernelTime],
+    wall_ms_total: float,
+    n_steps: int,
+    label: str,
+    top_n: int = 12,
+    unprofiled_ms: float | None = None,
+) -> StepProfile:
+    """Bucket ``kernels`` of ``n_steps`` steps that took ``wall_ms_total`` in all; per step."""
+    if n_steps < 1:
+        raise ValueError(f"n_steps must be >= 1, got {n_steps}")
+    if wall_ms_total <= 0:
+        raise ValueError(f"wall_ms_total must be > 0, got {wall_ms_total}")
+    bucket_ms = dict.fromkeys(BUCKETS, 0.0)
+    by_name: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for k in kernels:
+        bucket = kernel_bucket(k.name, k.op, k.phase)
+        bucket_ms[bucket] += k.us / 1e3 / n_steps
+        acc = by_name[(k.name, bucket)]
+        acc[0] += k.us / 1e3 / n_steps
+        acc[1] += 1 / n_steps
+    wall_ms = wall_ms_total / n_steps
+    bucket_ms[IDLE] = wall_ms - sum(bucket_ms.values())
+    ranked = sorted(((n, b, ms, c) for (n, b), (ms, c) in by_name.items()), key=lambda r: -r[2])
+    return StepProfile(
+        label=label,
+        n_steps=n_steps,
+        wall_ms=wall_ms,
+        bucket_ms=bucket_ms,
+        top_other=[r for r in ranked if r[1] == OTHER][:top_n],
+        top_kernels=ranked[:top_n],
+        unprofiled_ms=unprofiled_ms,
+    )
+
+
+def short_name(name: str, width: int = 110) -> str:
+    """A kernel's name cut to ``width`` characters (demangled template names run to thousands)."""
+    name = name.removeprefix("void ").replace("|", "/")
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def csv_rows(p: StepProfile) -> list[dict]:
+    """One row per bucket: ``label, bucket, ms, pct`` (pct of the profiled step's wall time)."""
+    return [
+        {"label": p.label, "bucket": b, "ms": ms, "pct": 100 * ms / p.wall_ms}
+        for b, ms in p.bucket_ms.items()
+    ]
+
+
+def to_csv(p: StepProfile) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=["label", "bucket", "ms", "pct"])
+    writer.writeheader()
+    for row in csv_rows(p):
+        writer.writerow({**row, "ms": f"{row['ms']:.4f}", "pct": f"{row['pct']:.2f}"})
+    return buf.getvalue()
+
+
+def _kernel_table(rows: list[tuple[str, str, float, float]], wall_ms: float) -> list[str]:
+    lines = ["| kernel | bucket | ms / step | % | calls / step |", "|---|---|---|---|---|"]
+    for name, bucket, ms, calls in rows:
+        pct = 100 * ms / wall_ms
+        lines.append(f"| `{short_name(name)}` | {bucket} | {ms:.3f} | {pct:.1f} | {calls:.0f} |")
+    return lines
+
+
+def to_markdown(p: StepProfile) -> str:
+    """The bucket table, then the largest kernels and the largest uncategorised ones."""
+    head = (
+        f"### {p.label}: {p.wall_ms:.2f} ms per profiled step ({p.n_steps} steps), "
+        f"kernels {p.kernel_ms:.2f} ms"
+    )
+    if p.unprofiled_ms is not None:
+        head += f"; {p.unprofiled_ms:.2f} ms per step without the profiler"
+    lines = [head, "", "| bucket | ms / step | % of step |", "|---|---|---|"]
+    for b, ms in p.bucket_ms.items():
+        lines.append(f"| {b} | {ms:.3f} | {100 * ms / p.wall_ms:.1f} |")
+    lines += ["", "Largest kernels:", "", *_kernel_table(p.top_kernels, p.wall_ms)]
+    if p.top_other:
+        lines += ["", "Largest uncategorised kernels:", "", *_kernel_table(p.top_other, p.wall_ms)]
+    else:
+        lines += ["", "Every kernel was categorised."]
+    return "\n".join(lines) + "\n"
+
+
+# ---- reading torch.profiler ---------------------------------------------------------------------
+
+
+def _phase(event) -> str:
+    """The innermost step phase (``PHASES``) around a profiler CPU event, or ''."""
+    while event is not None:
+        if event.name in PHASES:
+            return event.name
+        event = event.cpu_parent
+    return ""
+
+
+def kernels_from_profiler(prof, device_type: str) -> list[KernelTime]:
+    """The kernels of a finished ``torch.profiler.profile``: on CUDA every device event (kernel,
+    memcpy, memset) with the aten op that launched it and its phase; on CPU every aten op's self
+    time (the rest, autograd's and the compiler's wrappers and Python, is left to the idle/host
+    gap)."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    if device_type == "cpu":
+        return [
+            KernelTime(e.name, e.self_cpu_time_total, e.name, _phase(e.cpu_parent))
+            for e in events
+            if e.device_type == DeviceType.CPU
+            and e.name.startswith("aten::")
+            and e.self_cpu_time_total > 0
+        ]
+    kineto = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if kineto is None:  # a torch without the raw events: names alone
+        return [
+            KernelTime(e.trace_name or e.name, e.time_range.elapsed_us())
+            for e in events
+            if e.device_type == DeviceType.CUDA
+        ]
+    by_id = {e.id: e for e in events if e.device_type == DeviceType.CPU}
+    out = []
+    for ke in kineto.events():
+        if ke.device_type() != DeviceType.CUDA:
+            continue
+        launcher = by_id.get(ke.linked_correlation_id())
+        op = launcher.name if launcher is not None else ""
+        us = (ke.end_ns() - ke.start_ns()) / 1e3
+        out.append(KernelTime(ke.name(), us, op, _phase(launcher)))
+    return out

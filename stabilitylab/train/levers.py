@@ -1,0 +1,207 @@
+"""Speed levers of the training step and a rig that steps one arm with a chosen set of them.
+
+The benchmark (``experiments/bench/bench_model.py``) and the profiler
+(``experiments/bench/profile_step.py``) both step through :class:`StepRig`, the trainer's step
+(``stabilitylab.train.step``) reduced to one micro-batch: forward under bf16 autocast on CUDA,
+summed masked-token loss over the labelled count, backward, global grad norm, ``found_inf``, fused
+AdamW, ``zero_grad``, one host read. Its phases are marked with ``record_function`` (``forward``,
+``loss``, ``backward``, ``optimizer``) for ``stabilitylab.analysis.step_profile``.
+
+Levers (a variant is ``eager``, one lever alone, or ``all`` of ``LEVERS``):
+
+- ``compile``: ``model.compile(fullgraph=True, dynamic=False)`` (static shapes: a batch of
+  another size is another graph, never a symbolic one); a graph break falls back to
+  ``fullgraph=False`` with the break's reason in ``StepRig.compile_note``. Dropout then draws
+  other random numbers (inductor's RNG): the same function, another sample.
+- ``compile-blocks``: each block compiled alone (``fullgraph=True``), the embeddings, final norm
+  and head eager: the L identical blocks share one compiled graph, so it compiles about L times
+  faster than the whole model; it gives up fusing across block boundaries.
+- ``mb2``: two sequences per micro-batch (the per-token figures compare).
+- ``chunked-ce``: ``stabilitylab.chunked_loss.linear_cross_entropy_sum`` on the final norm's
+  output: no full logits; the same loss to rounding.
+- ``no-copies``: the q/k/v gradient assembled in one pass (``model.split_qkv_heads``); the same
+  values bit for bit. The Triton kernels already take the strided q/k/v views and write their
+  output in the layout the output projection reads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.profiler import record_function
+
+from stabilitylab.attention import compiled_lengths_hint
+from stabilitylab.chunked_loss import linear_cross_entropy_sum
+from stabilitylab.config import Config
+from stabilitylab.model import Transformer, masked_lm_loss_sum, vocab_size_for
+from stabilitylab.telemetry import LayerStatsMonitor, LogitMonitor, global_grad_norm
+from stabilitylab.train.build import make_optimizer
+
+LEVERS = ("compile", "mb2", "chunked-ce", "no-copies")
+ALTERNATIVES = ("compile-blocks",)
+"""Variants measured alone but not part of ``all`` (another form of a lever in ``LEVERS``)."""
+VARIANTS = ("eager", *LEVERS, *ALTERNATIVES, "all")
+
+
+def variant_levers(variant: str) -> frozenset[str]:
+    """The levers a variant turns on: none (``eager``), one, or every one (``all``)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose from {list(VARIANTS)}")
+    if variant == "eager":
+        return frozenset()
+    return frozenset(LEVERS) if variant == "all" else frozenset({variant})
+
+
+def parse_variants(names: list[str]) -> list[str]:
+    """Variants in the order given, each once; an unknown name raises, naming it."""
+    for n in names:
+        variant_levers(n)
+    return list(dict.fromkeys(names))
+
+
+def synthetic_batch(B: int, T: int, vocab: int, device, seed: int = 0):
+    """Full-length rows of random tokens, 15% of positions labelled: ``(tokens, lengths, labels)``
+    (the masked-token task's shapes at the stress setting). Row r is drawn from seed + r alone, so
+    a larger batch extends a smaller one, and any device gets the same numbers."""
+    rows = []
+    for r in range(B):
+        g = torch.Generator().manual_seed(seed + r)
+        tokens_T = torch.randint(3, vocab, (T,), generator=g)
+        rows.append((tokens_T, torch.where(torch.rand(T, generator=g) < 0.15, tokens_T, -100)))
+    tokens_BT = torch.stack([t for t, _ in rows])
+    labels_BT = torch.stack([y for _, y in rows])
+    lengths_B = torch.full((B,), T, dtype=torch.long)
+    return tokens_BT.to(device), lengths_B.to(device), labels_BT.to(device)
+
+
+@dataclass
+class StepRig:
+    """One arm with one variant: model, optimizer, a fixed batch, and ``step``."""
+
+    label: str
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    levers: frozenset[str]
+    compile_note: str = ""
+    logit_mon: LogitMonitor = field(default_factory=lambda: LogitMonitor(1))
+    layer_mon: LayerStatsMonitor = field(default_factory=lambda: LayerStatsMonitor(1))
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return list(self.model.parameters())
+
+    @property
+    def device(self) -> torch.device:
+        return self.batch[0].device
+
+    def loss(self) -> torch.Tensor:
+        """Mean masked-token loss of the batch (forward and loss phases), float32."""
+        tokens_BT, lengths_B, labels_BT = self.batch
+        cuda = self.device.type == "cuda"
+        hidden = "chunked-ce" in self.levers
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            with record_function("forward"), compiled_lengths_hint(lengths_B, tokens_BT.shape[1]):
+                out = self.model(tokens_BT, lengths_B, return_hidden=hidden)
+            with record_function("loss"):
+                if hidden:
+                    head = self.model.head
+                    total = linear_cross_entropy_sum(out, head.weight, head.bias, labels_BT)
+                else:
+                    total = masked_lm_loss_sum(out, labels_BT)
+                return total / (labels_BT != -100).sum()
+
+    def step(self, record_logits=False, layer_stats=False, grad_norm=True) -> torch.Tensor:
+        """One optimizer step as the trainer takes it, telemetry chosen; returns the loss."""
+        model, opt = self.model, self.optimizer
+        if record_logits:
+            self.logit_mon.attach(model)
+        loss = self.loss()
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer"):
+            if record_logits:
+                self.logit_mon.collect(model)
+            loss_gn = None
+            if grad_norm:
+                gn = global_grad_norm(self.params)
+                loss_gn = torch.stack([loss.detach().float(), gn])
+                opt.found_inf = (~torch.isfinite(loss_gn).all()).float()
+            else:
+                opt.found_inf = None
+            if layer_stats:
+                self.layer_mon.before_step(model)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if loss_gn is not None:
+                loss_gn.tolist()  # the trainer's one host read per step, after the update is queued
+            if record_logits:
+                self.logit_mon.detach(model).tolist()
+            if layer_stats:
+                self.layer_mon.after_step(model).tolist()
+        return loss.detach()
+
+
+def build_rig(
+    cfg: Config,
+    backend: str,
+    variant: str,
+    device,
+    micro_batch: int = 1,
+    compile_backend: str = "inductor",
+) -> StepRig:
+    """The arm ``backend`` at ``cfg``'s model and context with ``variant``'s levers. Every
+    variant of an arm starts from the same weights (seed 0) and, per sequence, the same batch."""
+    levers = variant_levers(variant)
+    T, vocab = cfg.data.context_len, vocab_size_for(cfg.data.n_genes)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model, vocab, T, backend).to(device)
+    model.set_one_pass_qkv_grad("no-copies" in levers)
+    B = micro_batch * (2 if "mb2" in levers else 1)
+    rig = StepRig(
+        label=f"{backend} / {variant}",
+        model=model,
+        optimizer=make_optimizer(cfg, model),
+        batch=synthetic_batch(B, T, vocab, device),
+        levers=levers,
+    )
+    if "compile" in levers or "compile-blocks" in levers:
+        rig.compile_note = _compile_checked(rig, compile_backend)
+    return rig
+
+
+def raise_recompile_limit(limit: int = 64) -> None:
+    """Every compiled module shares one dynamo cache (it is keyed by ``Module._call_impl``'s code):
+    arms, variants and the telemetry flag's second graph each add entries, and past the limit
+    (8) dynamo runs the module eagerly, silently slow. Raised for the benchmark's many models."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(limit, getattr(dynamo_config, name)))
+
+
+def _compile_checked(rig: StepRig, compile_backend: str) -> str:
+    """Compile ``rig.model`` with ``fullgraph=True`` and trace it once (forward and backward,
+    no update); on a graph break recompile with ``fullgraph=False``. Returns a note: the mode,
+    the first break's reason if any, and the seconds the first traced step took."""
+    model = rig.model
+    targets = list(model.blocks) if "compile-blocks" in rig.levers else [model]
+    raise_recompile_limit()
+    t0 = time.perf_counter()
+    try:
+        for m in targets:
+            m.compile(fullgraph=True, dynamic=False, backend=compile_backend)
+        rig.loss().backward()
+        note = "fullgraph"
+    except Exception as e:  # torch._dynamo's Unsupported / UserError, whatever the version
+        reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        print(f"compile {rig.label}: fullgraph=True failed ({type(e).__name__}: {reason}); "
+              "falling back to fullgraph=False")  # fmt: skip
+        for m in targets:
+            m.compile(dynamic=False, backend=compile_backend)
+        rig.loss().backward()
+        note = f"graph breaks ({type(e).__name__}: {reason})"
+    model.zero_grad(set_to_none=True)
+    return f"{note}; first traced step {time.perf_counter() - t0:.1f} s"

@@ -1,0 +1,198 @@
+"""Speed levers: the chunked cross-entropy, the one-pass q/k/v gradient, and that every variant
+of the benchmark's step computes the eager step's loss and gradients (CPU; compile through
+torch.compile's aot_eager backend, which traces as inductor does without generating code)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stabilitylab.attention import compiled_lengths_hint
+from stabilitylab.chunked_loss import linear_cross_entropy_sum, rows_per_chunk
+from stabilitylab.config import ModelConfig
+from stabilitylab.model import Transformer, masked_lm_loss_sum, split_qkv_heads
+from stabilitylab.presets import smoke
+from stabilitylab.train.levers import (
+    ALTERNATIVES,
+    LEVERS,
+    VARIANTS,
+    build_rig,
+    parse_variants,
+    synthetic_batch,
+    variant_levers,
+)
+
+
+def _head_inputs(dtype, bias=True, seed=0, B=3, T=11, C=16, V=37, p_label=0.4):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, T, C, generator=g, dtype=dtype).requires_grad_()
+    w = (torch.randn(V, C, generator=g, dtype=dtype) * 0.3).requires_grad_()
+    b = (torch.randn(V, generator=g, dtype=dtype) * 0.1).requires_grad_() if bias else None
+    labels = torch.randint(0, V, (B, T), generator=g)
+    labels = torch.where(torch.rand(B, T, generator=g) < p_label, labels, -100)
+    return h, w, b, labels
+
+
+def _loss_and_grads(fn, h, w, b, scale=0.37):
+    loss = fn()
+    params = [t for t in (h, w, b) if t is not None]
+    return loss.detach(), torch.autograd.grad(loss * scale, params)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("chunk", [1, 5, 10**9])  # one row per chunk, several, all at once
+def test_chunked_ce_equals_masked_lm_loss_sum(bias, chunk):
+    h, w, b, labels = _head_inputs(torch.float64, bias)
+    V = w.shape[0]
+    ref = _loss_and_grads(lambda: masked_lm_loss_sum(F.linear(h, w, b), labels), h, w, b)
+    got = _loss_and_grads(
+        lambda: linear_cross_entropy_sum(h, w, b, labels, max_chunk_elements=chunk * V), h, w, b
+    )
+    assert got[0].dtype == torch.float32
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6)
+    for g_got, g_ref in zip(got[1], ref[1], strict=True):
+        torch.testing.assert_close(g_got, g_ref, rtol=1e-5, atol=1e-7)  # ref: fp32 CE
+
+
+def test_chunked_ce_under_bf16_autocast_matches_eager_to_rounding():
+    """As the step runs it: float32 h (the final LayerNorm's output) and weights, bf16 autocast."""
+    h, w, b, labels = _head_inputs(torch.float32, T=64, C=32, V=101)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _loss_and_grads(lambda: masked_lm_loss_sum(F.linear(h, w, b), labels), h, w, b)
+        got = _loss_and_grads(lambda: linear_cross_entropy_sum(h, w, b, labels), h, w, b)
+    torch.testing.assert_close(got[0], ref[0], rtol=2e-3, atol=1e-3)
+    for g_got, g_ref in zip(got[1], ref[1], strict=True):
+        assert g_got.dtype == torch.float32
+        assert (g_got - g_ref).norm() <= 2e-2 * g_ref.norm()
+
+
+def test_chunked_ce_without_labels_is_zero_with_zero_gradients():
+    h, w, b, labels = _head_inputs(torch.float32, p_label=0.0)
+    loss, grads = _loss_and_grads(lambda: linear_cross_entropy_sum(h, w, b, labels), h, w, b)
+    assert loss.item() == 0.0 and all((g == 0).all() for g in grads)
+
+
+def test_chunked_ce_names_bad_shapes():
+    h, w, b, labels = _head_inputs(torch.float32)
+    with pytest.raises(ValueError, match="labels_BT"):
+        linear_cross_entropy_sum(h, w, b, labels[:, :-1])
+    with pytest.raises(ValueError, match="weight_VC"):
+        linear_cross_entropy_sum(h, w[:, :-1], b, labels)
+    with pytest.raises(ValueError, match="max_chunk_elements"):
+        rows_per_chunk(10, 0)
+
+
+def test_one_pass_qkv_grad_equals_autograds_bit_for_bit():
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(2, 7, 3 * 4 * 8, generator=g, dtype=torch.float64, requires_grad=True)
+    weights = [torch.randn(2, 4, 7, 8, generator=g, dtype=torch.float64) for _ in range(3)]
+    results = []
+    for one_pass in (False, True):
+        q, k, v = split_qkv_heads(qkv, 4, one_pass)
+        assert q.shape == (2, 4, 7, 8)
+        loss = sum((t * wt).sum() for t, wt in zip((q, k, v), weights, strict=True))
+        results.append(((q, k, v), torch.autograd.grad(loss, qkv)[0]))
+    (vals0, g0), (vals1, g1) = results
+    for a, b in zip(vals0, vals1, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(g0, g1)
+    # An unused output (no gradient) is a zero block.
+    q, _, v = split_qkv_heads(qkv, 4, True)
+    grad = torch.autograd.grad((q * weights[0]).sum() + (v * weights[2]).sum(), qkv)[0]
+    assert (grad.view(2, 7, 3, 32)[:, :, 1] == 0).all()
+
+
+def test_variants_parse_and_name_unknowns():
+    assert parse_variants(["eager", "all", "eager"]) == ["eager", "all"]
+    assert variant_levers("all") == frozenset(LEVERS)
+    assert variant_levers("mb2") == frozenset({"mb2"})
+    assert set(VARIANTS) == {"eager", "all", *LEVERS, *ALTERNATIVES}
+    assert not variant_levers("all") & set(ALTERNATIVES)
+    with pytest.raises(ValueError, match="'fast'"):
+        parse_variants(["eager", "fast"])
+
+
+def test_a_larger_synthetic_batch_extends_a_smaller_one():
+    one = synthetic_batch(1, 50, 99, "cpu")
+    two = synthetic_batch(2, 50, 99, "cpu")
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a[0], b[0])
+    assert not torch.equal(two[0][0], two[0][1])
+
+
+def _grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("arm", ["softmax", "sigmoid-reference"])
+def test_every_variant_computes_the_eager_step(arm):
+    """Loss and gradients of the first step of each variant equal eager's (mb2: its first row is
+    eager's batch, and the loss is finite); compile traces the whole model (fullgraph)."""
+    cfg = smoke()
+    rigs = {v: build_rig(cfg, arm, v, "cpu", compile_backend="aot_eager") for v in VARIANTS}
+    ref = rigs.pop("eager")
+    ref.loss().backward()
+    ref_grads = _grads(ref.model)
+    for variant, rig in rigs.items():
+        assert torch.equal(rig.batch[0][:1], ref.batch[0]), variant
+        if rig.levers & {"compile", "compile-blocks"}:
+            assert rig.compile_note.startswith("fullgraph"), (variant, rig.compile_note)
+        loss = rig.loss()
+        loss.backward()
+        if "mb2" in rig.levers:
+            assert rig.batch[0].shape[0] == 2 and torch.isfinite(loss)
+            continue
+        torch.testing.assert_close(loss.detach(), ref.loss().detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(_grads(rig.model), ref_grads, rtol=1e-4, atol=1e-6)
+
+
+def test_a_rig_steps_and_learns():
+    rig = build_rig(smoke(), "softmax", "all", "cpu", compile_backend="aot_eager")
+    first = rig.step(record_logits=True, layer_stats=True)
+    for _ in range(3):
+        last = rig.step()
+    assert torch.isfinite(first) and last < first
+
+
+def test_compiled_softmax_model_follows_the_padding_hint():
+    """The compiled softmax model reads whether the batch is padded from compiled_lengths_hint,
+    and torch.compile guards on it: an unpadded call then a padded one each equal eager."""
+    cfg = ModelConfig(n_layers=1, d_model=32, n_heads=2, d_ff=64, dropout=0.0)
+    torch.manual_seed(0)
+    eager = Transformer(cfg, 50, 24, "softmax")
+    compiled = Transformer(cfg, 50, 24, "softmax")
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile(fullgraph=True, backend="aot_eager")
+    tokens = torch.randint(3, 50, (2, 24))
+    for lengths in (torch.tensor([24, 24]), torch.tensor([24, 9])):
+        with compiled_lengths_hint(lengths, 24):
+            got = compiled(tokens, lengths)
+        want = eager(tokens, lengths)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # No hint: the mask path, right for any lengths.
+    lengths = torch.tensor([24, 5])
+    torch.testing.assert_close(
+        compiled(tokens, lengths), eager(tokens, lengths), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arm", ["sigmoid-triton", "softmax"])
+def test_variants_match_eager_on_gpu(arm):
+    """bf16 on the GPU: every variant's first loss and gradients equal eager's up to rounding
+    (inductor and the chunked loss round differently; no dropout so the draws do not differ)."""
+    cfg = smoke()
+    cfg.model = ModelConfig(n_layers=2, d_model=128, n_heads=2, d_ff=512, dropout=0.0)
+    cfg.data.context_len = 512
+    ref = build_rig(cfg, arm, "eager", "cuda")
+    ref_loss = ref.loss()
+    ref_loss.backward()
+    ref_grads = _grads(ref.model)
+    for variant in ("compile", "compile-blocks", "chunked-ce", "no-copies"):
+        rig = build_rig(cfg, arm, variant, "cuda")
+        if "compile" in variant:
+            assert rig.compile_note.startswith("fullgraph"), rig.compile_note
+        loss = rig.loss()
+        loss.backward()
+        assert abs(loss.item() - ref_loss.item()) <= 1e-2 * abs(ref_loss.item()), variant
+        assert (_grads(rig.model) - ref_grads).norm() <= 3e-2 * ref_grads.norm(), variant
