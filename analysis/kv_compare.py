@@ -39,14 +39,26 @@ def run_name(study_dir: Path) -> str:
     return study_dir.resolve().parent.name
 
 
-def read_tables(study_dirs: Sequence[str | Path], name: str) -> pd.DataFrame:
-    """Table ``name`` of every study, concatenated, with the run each row came from."""
+def run_labels(study_dirs: Sequence[str | Path], labels: Sequence[str] | None) -> list[str]:
+    """One label per study: ``labels`` as given (one per directory), else each run's name."""
+    if labels is None:
+        return [run_name(Path(d)) for d in study_dirs]
+    if len(labels) != len(study_dirs):
+        raise ValueError(f"{len(labels)} labels for {len(study_dirs)} study directories")
+    return list(labels)
+
+
+def read_tables(
+    study_dirs: Sequence[str | Path], name: str, labels: Sequence[str] | None = None
+) -> pd.DataFrame:
+    """Table ``name`` of every study, concatenated, with the run each row came from (its label:
+    ``labels`` in the order of ``study_dirs``, else the run's name)."""
     frames = []
-    for d in map(Path, study_dirs):
+    for d, label in zip(map(Path, study_dirs), run_labels(study_dirs, labels), strict=True):
         path = d / f"{name}.csv"
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: is {d} a study directory?")
-        frames.append(pd.read_csv(path).assign(run=run_name(d)))
+        frames.append(pd.read_csv(path).assign(run=label))
     runs = [f["run"].iloc[0] for f in frames if len(f)]
     if len(set(runs)) != len(runs):
         raise ValueError(f"two study directories come from the same run: {sorted(runs)}")
@@ -79,14 +91,17 @@ def mean_pm_std(sp: pd.DataFrame, quantities: Sequence[str], key: str = KEY) -> 
 
 
 def write_compare(
-    study_dirs: Sequence[str | Path], out: str | Path, spread_md: bool = True
+    study_dirs: Sequence[str | Path],
+    out: str | Path,
+    spread_md: bool = True,
+    labels: Sequence[str] | None = None,
 ) -> Path:
     """``spread_md=False`` for runs that differ in a setting (ablations): no mean over them."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     parts = [f"# KV-eviction studies compared: {', '.join(map(str, study_dirs))}", ""]
     for name in TABLES:
-        df = read_tables(study_dirs, name)
+        df = read_tables(study_dirs, name, labels)
         sp = spread(df)
         df.to_csv(out / f"{name}_runs.csv", index=False)
         sp.to_csv(out / f"{name}_spread.csv", index=False)
@@ -114,9 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         "--spread", action=argparse.BooleanOptionalAction, default=True,
         help="mean ± std per cell in compare.md (--no-spread for ablations: runs that differ)",
     )  # fmt: skip
+    p.add_argument(
+        "--labels", nargs="+", default=None,
+        help="one name per study directory for the run column (default: each run's name)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     try:
-        path = write_compare(args.study_dirs, args.out, args.spread)
+        path = write_compare(args.study_dirs, args.out, args.spread, args.labels)
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
     print(f"wrote {path}")

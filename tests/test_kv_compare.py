@@ -47,3 +47,13 @@ def test_bad_inputs_are_named(tmp_path, capsys):
     assert "table1.csv is missing" in capsys.readouterr().err
     with pytest.raises(ValueError, match="same run"):
         read_tables([d, d], "table1")
+
+
+def test_labels_name_the_runs_and_must_match_the_directories(tmp_path, capsys):
+    d, e = _study(tmp_path, "a", 50.0, 0.1), _study(tmp_path, "b", 52.0, 0.2)
+    main([str(d), str(e), "--labels", "seed0", "seed1", "--out", str(tmp_path / "o")])
+    runs = pd.read_csv(tmp_path / "o" / "table1_runs.csv")["run"]
+    assert set(runs) == {"seed0", "seed1"}
+    with pytest.raises(SystemExit):
+        main([str(d), str(e), "--labels", "seed0", "--out", str(tmp_path / "p")])
+    assert "1 labels for 2 study directories" in capsys.readouterr().err
