@@ -4,8 +4,10 @@
 the kernels here. Each kernel (CUDA: its demangled name, the aten op that launched it, the step
 phase it ran in; CPU: each aten op's self time) goes to one bucket of ``BUCKETS`` by
 ``kernel_bucket``; the idle/host gap is the step's wall time minus the summed kernel time, so the
-buckets of a step add up to its wall time by construction (on one stream; kernels overlapping on
-several streams would show as a negative gap).
+buckets of a step add up to its wall time by construction. A gap below zero (beyond
+``GAP_TOLERANCE`` of the step) means the kernels were counted wrong (a range that is no kernel,
+such as a ``record_function`` phase projected onto the GPU, or kernels overlapping on several
+streams): ``summarise`` refuses it rather than print buckets that do not add up.
 
 Rules, first match wins: attention kernels (ours, flash, cuDNN, memory-efficient) by phase of
 the name (fwd / bwd); every GEMM (cuBLAS sm90/nvjet/cutlass, gemv, split-K reduce, inductor mm
@@ -152,6 +154,24 @@ class StepProfile:
         return self.wall_ms - self.bucket_ms[IDLE]
 
 
+GAP_TOLERANCE = 0.01
+"""The share of a step by which the kernels may exceed its wall time (clock skew between the
+host's timer and the device's timestamps) before the gap counts as negative."""
+
+
+def check_gap(idle_ms: float, wall_ms: float, label: str) -> None:
+    """Raise when the idle/host gap of a step is negative beyond ``GAP_TOLERANCE``: its kernels
+    then took longer than the step, so something that is no kernel was counted, or kernels
+    overlapped on several streams; the buckets would not add up to the step."""
+    if idle_ms < -GAP_TOLERANCE * wall_ms:
+        raise ValueError(
+            f"{label}: the kernels sum to {wall_ms - idle_ms:.3f} ms per step, more than the "
+            f"step's {wall_ms:.3f} ms (idle/host gap {idle_ms:.3f} ms < 0): a device event that "
+            "is no kernel (a user-annotation range?) was counted, or kernels overlapped on "
+            "several streams"
+        )
+
+
 def summarise(
     kernels: list[KernelTime],
     wall_ms_total: float,
@@ -175,6 +195,7 @@ def summarise(
         acc[1] += 1 / n_steps
     wall_ms = wall_ms_total / n_steps
     bucket_ms[IDLE] = wall_ms - sum(bucket_ms.values())
+    check_gap(bucket_ms[IDLE], wall_ms, label)
     ranked = sorted(((n, b, ms, c) for (n, b), (ms, c) in by_name.items()), key=lambda r: -r[2])
     return StepProfile(
         label=label,
@@ -249,11 +270,34 @@ def _phase(event) -> str:
     return ""
 
 
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+"""Kineto activity types that are work on the device. The device timeline also holds
+``gpu_user_annotation`` ranges (each ``record_function`` phase and torch's own
+``Optimizer.step#AdamW.step``, projected onto the GPU) and ``cuda_sync`` waits: spans that
+contain kernels, not kernels; counted, they would count the kernels' time twice."""
+
+
+def is_device_work(activity_type: str, is_user_annotation: bool) -> bool:
+    """Whether a device event is a kernel, memcpy or memset (``DEVICE_WORK``). A torch whose
+    events carry no activity type: anything but a user annotation."""
+    if activity_type:
+        return activity_type in DEVICE_WORK
+    return not is_user_annotation
+
+
+def _kineto_kind(ke) -> tuple[str, bool]:
+    """``(activity type, is user annotation)`` of a raw kineto event, '' / False where this
+    torch does not say."""
+    kind = ke.activity_type() if hasattr(ke, "activity_type") else ""
+    annotation = ke.is_user_annotation() if hasattr(ke, "is_user_annotation") else False
+    return kind or "", bool(annotation)
+
+
 def kernels_from_profiler(prof, device_type: str) -> list[KernelTime]:
-    """The kernels of a finished ``torch.profiler.profile``: on CUDA every device event (kernel,
-    memcpy, memset) with the aten op that launched it and its phase; on CPU every aten op's self
-    time (the rest, autograd's and the compiler's wrappers and Python, is left to the idle/host
-    gap)."""
+    """The kernels of a finished ``torch.profiler.profile``: on CUDA every device kernel, memcpy
+    and memset (``is_device_work``: not the user-annotation ranges) with the aten op that
+    launched it and its phase; on CPU every aten op's self time (the rest, autograd's and the
+    compiler's wrappers and Python, is left to the idle/host gap)."""
     from torch.autograd import DeviceType
 
     events = prof.events()
@@ -271,11 +315,14 @@ def kernels_from_profiler(prof, device_type: str) -> list[KernelTime]:
             KernelTime(e.trace_name or e.name, e.time_range.elapsed_us())
             for e in events
             if e.device_type == DeviceType.CUDA
+            and is_device_work(
+                getattr(e, "activity_type", "") or "", bool(getattr(e, "is_user_annotation", False))
+            )
         ]
     by_id = {e.id: e for e in events if e.device_type == DeviceType.CPU}
     out = []
     for ke in kineto.events():
-        if ke.device_type() != DeviceType.CUDA:
+        if ke.device_type() != DeviceType.CUDA or not is_device_work(*_kineto_kind(ke)):
             continue
         launcher = by_id.get(ke.linked_correlation_id())
         op = launcher.name if launcher is not None else ""

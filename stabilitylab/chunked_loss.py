@@ -16,6 +16,10 @@ that dtype, softmax in float32, logit gradients rounded to the autocast dtype fo
 (their scale by the loss's weight happens after that rounding instead of before: a relative
 difference of one rounding, ~2^-8 in bf16). ``dW`` and ``db`` accumulate over chunks in float32.
 
+``row_multiple``: the GEMMs run on the weight's rows zero-padded to that multiple, the padded
+logits set to -inf before the softmax, so they take probability 0 and gradient 0 (the same loss
+and gradients; ``stabilitylab.model.head_linear`` says why an odd vocabulary is slow).
+
 Cost: one host sync (the number of labelled rows sizes the gather).
 """
 
@@ -23,6 +27,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from stabilitylab.model import padded_size
 
 IGNORE_INDEX = -100
 
@@ -47,30 +53,37 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """``sum_n CE(h_n W^T + b, y_n)`` over given rows; gradients made in the forward."""
 
     @staticmethod
-    def forward(ctx, h_NC, weight_VC, bias_V, y_N, dtype, chunk_rows):
+    def forward(ctx, h_NC, weight_VC, bias_V, y_N, dtype, chunk_rows, row_multiple):
+        V = weight_VC.shape[0]
+        pad = padded_size(V, row_multiple) - V
         with torch.autocast(h_NC.device.type, enabled=False):
             w = weight_VC.to(dtype)
             b = bias_V.to(dtype) if bias_V is not None else None
+            if pad:  # (V + pad, C): zero rows
+                w = F.pad(w, (0, 0, 0, pad))
+                b = None if b is None else F.pad(b, (0, pad))
             hc_NC = h_NC.to(dtype)
             loss = torch.zeros((), dtype=torch.float32, device=h_NC.device)
             dh_NC = torch.empty_like(hc_NC)
-            dw_VC = torch.zeros(weight_VC.shape, dtype=torch.float32, device=h_NC.device)
-            db_V = (
+            dw_PC = torch.zeros(w.shape, dtype=torch.float32, device=h_NC.device)
+            db_P = (
                 None if b is None else torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
             )
             for s in range(0, h_NC.shape[0], chunk_rows):
                 h_RC, y_R = hc_NC[s : s + chunk_rows], y_N[s : s + chunk_rows, None]
-                logits_RV = F.linear(h_RC, w, b).float()
-                lse_R = torch.logsumexp(logits_RV, dim=-1)
-                loss += (lse_R - logits_RV.gather(1, y_R)[:, 0]).sum()
-                p_RV = logits_RV.sub_(lse_R[:, None]).exp_()  # softmax, in place
-                p_RV.scatter_add_(1, y_R, torch.full_like(y_R, -1, dtype=p_RV.dtype))
-                g_RV = p_RV.to(dtype)
-                torch.mm(g_RV, w, out=dh_NC[s : s + chunk_rows])
-                dw_VC += (g_RV.t() @ h_RC).float()
-                if db_V is not None:
-                    db_V += g_RV.sum(0, dtype=torch.float32)
-        ctx.save_for_backward(dh_NC, dw_VC, db_V)
+                logits_RP = F.linear(h_RC, w, b).float()
+                if pad:
+                    logits_RP[:, V:] = float("-inf")  # the pad: probability 0, gradient 0
+                lse_R = torch.logsumexp(logits_RP, dim=-1)
+                loss += (lse_R - logits_RP.gather(1, y_R)[:, 0]).sum()
+                p_RP = logits_RP.sub_(lse_R[:, None]).exp_()  # softmax, in place
+                p_RP.scatter_add_(1, y_R, torch.full_like(y_R, -1, dtype=p_RP.dtype))
+                g_RP = p_RP.to(dtype)
+                torch.mm(g_RP, w, out=dh_NC[s : s + chunk_rows])
+                dw_PC += (g_RP.t() @ h_RC).float()
+                if db_P is not None:
+                    db_P += g_RP.sum(0, dtype=torch.float32)
+        ctx.save_for_backward(dh_NC, dw_PC[:V], None if db_P is None else db_P[:V])
         ctx.dtypes = (h_NC.dtype, weight_VC.dtype, None if bias_V is None else bias_V.dtype)
         return loss
 
@@ -81,7 +94,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         dh = (dh_NC * d_loss.to(dh_NC.dtype)).to(h_dtype)
         dw = (dw_VC * d_loss).to(w_dtype)
         db = None if db_V is None else (db_V * d_loss).to(b_dtype)
-        return dh, dw, db, None, None, None
+        return dh, dw, db, None, None, None, None
 
 
 def linear_cross_entropy_sum(
@@ -91,11 +104,13 @@ def linear_cross_entropy_sum(
     labels_BT: torch.Tensor,
     *,
     max_chunk_elements: int = 2**27,
+    row_multiple: int = 1,
 ) -> torch.Tensor:
     """Summed cross-entropy of ``F.linear(h_BTC, weight_VC, bias_V)`` over positions whose label
     is not -100, float32: ``masked_lm_loss_sum(head(h), labels)`` without the full logits.
     Differentiable in h, the weight and the bias. Labels must lie in [0, V) (as for
-    ``F.cross_entropy``; not checked here: that would be a second sync)."""
+    ``F.cross_entropy``; not checked here: that would be a second sync). ``row_multiple``: the
+    GEMMs on the weight's rows padded to that multiple (module docstring); the same result."""
     if h_BTC.shape[:-1] != labels_BT.shape:
         raise ValueError(
             f"h_BTC {tuple(h_BTC.shape)} and labels_BT {tuple(labels_BT.shape)} disagree on (B, T)"
@@ -109,5 +124,6 @@ def linear_cross_entropy_sum(
     h_NC = h_BTC.flatten(0, -2).index_select(0, rows_N)
     y_N = labels_N.index_select(0, rows_N)
     dtype = compute_dtype(h_BTC, weight_VC)
-    chunk = rows_per_chunk(weight_VC.shape[0], max_chunk_elements)
-    return _LinearCrossEntropySum.apply(h_NC, weight_VC, bias_V, y_N, dtype, chunk)
+    padded_V = padded_size(weight_VC.shape[0], row_multiple)
+    chunk = rows_per_chunk(padded_V, max_chunk_elements)
+    return _LinearCrossEntropySum.apply(h_NC, weight_VC, bias_V, y_N, dtype, chunk, row_multiple)

@@ -98,7 +98,49 @@ def gate_key_bias(g: torch.Tensor) -> torch.Tensor:
     return torch.log(g + GATE_EPS)
 
 
+def padded_size(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (>= 1)."""
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    return -(-n // multiple) * multiple
+
+
+def head_linear(
+    h_NC: torch.Tensor,
+    weight_VC: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    row_multiple: int = 1,
+) -> torch.Tensor:
+    """``F.linear(h_NC, weight_VC, bias_V)``, its GEMM run on the weight's rows zero-padded to a
+    multiple of ``row_multiple``, the padded columns sliced off the logits: the same function and
+    gradients (the pad is no parameter and its columns reach nothing, so the weight's gradient is
+    that of its V real rows).
+
+    Why: with V = 44,003 (44,000 genes + 3 special tokens) the logits' leading dimension is odd
+    and cuBLAS falls back to alignment-1 kernels (sm75 ``s1688gemm ... align1`` on an H200, most
+    of the step's GEMM time); padded to 64 it takes the Hopper kernels. Costs a copy of the weight
+    and, in the backward, of the logits' gradient."""
+    V = weight_VC.shape[0]
+    pad = padded_size(V, row_multiple) - V
+    if pad == 0:
+        return F.linear(h_NC, weight_VC, bias_V)
+    weight_PC = F.pad(weight_VC, (0, 0, 0, pad))
+    bias_P = None if bias_V is None else F.pad(bias_V, (0, pad))
+    return F.linear(h_NC, weight_PC, bias_P)[..., :V]
+
+
 # ---- modules ----------------------------------------------------------------------------------
+
+
+class Head(nn.Linear):
+    """The output head: an ``nn.Linear`` (same parameters, same state dict) whose GEMM runs on
+    rows padded to ``row_multiple`` (``head_linear``; 1 = no padding). A speed setting, not part
+    of the model: checkpoints do not carry it and load either way."""
+
+    row_multiple: int = 1
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return head_linear(h, self.weight, self.bias, self.row_multiple)
 
 
 def _qk_norm(cfg: ModelConfig) -> nn.Module | None:
@@ -250,7 +292,7 @@ class Transformer(nn.Module):
         )
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
         # GPT-2 ties the decoder's output projection to the token embedding (no bias).
-        self.head = nn.Linear(cfg.d_model, vocab_size, bias=not cfg.causal)
+        self.head = Head(cfg.d_model, vocab_size, bias=not cfg.causal)
         if cfg.causal:
             self.head.weight = self.tok_emb.weight
         self.gates: list[torch.Tensor] = []
@@ -283,6 +325,13 @@ class Transformer(nn.Module):
         """The q/k/v gradient assembled in one pass (``split_qkv_heads``); the same values."""
         for a in self.attention_layers:
             a.one_pass_qkv_grad = on
+
+    def set_head_row_multiple(self, multiple: int) -> None:
+        """The head's GEMM on rows padded to ``multiple`` (``head_linear``): the same function,
+        faster when the vocabulary is no multiple of 8. 1 turns it off."""
+        if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+            raise ValueError(f"head row multiple must be an int >= 1, got {multiple!r}")
+        self.head.row_multiple = multiple
 
     def forward(
         self, tokens_BT: torch.Tensor, lengths_B: torch.Tensor, return_hidden: bool = False
@@ -375,6 +424,13 @@ def dense_parameter_count(model: Transformer) -> int:
     return n
 
 
+def head_parameter_count(model: Transformer) -> int:
+    """Parameters of the output head (weight and bias; a tied weight counted here): the head's
+    GEMMs cost 6 x this per row they run on."""
+    bias = model.head.bias
+    return model.head.weight.numel() + (bias.numel() if bias is not None else 0)
+
+
 def flops_per_step(cfg: ModelConfig, n_params_dense: int, lengths: list[int]) -> float:
     """Training FLOPs for one batch: 6 x dense params x tokens + attention 12 x L x d x pairs.
 
@@ -384,3 +440,16 @@ def flops_per_step(cfg: ModelConfig, n_params_dense: int, lengths: list[int]) ->
     tokens = sum(lengths)
     pairs = sum(n * (n + 1) // 2 if cfg.causal else n * n for n in lengths)
     return 6.0 * n_params_dense * tokens + 12.0 * cfg.n_layers * cfg.d_model * pairs
+
+
+def flops_per_step_labelled(
+    cfg: ModelConfig, n_params_dense: int, n_params_head: int, lengths: list[int], n_labelled: int
+) -> float:
+    """``flops_per_step`` with the head's ``6 x n_params_head`` per row counted on the
+    ``n_labelled`` rows that carry a label only: the work the loss needs (a loss that skips the
+    unlabelled rows, ``stabilitylab.chunked_loss``, does only this; the masked-token task labels
+    15%). ``n_params_head`` must be part of ``n_params_dense`` (``head_parameter_count``)."""
+    if not 0 <= n_params_head <= n_params_dense:
+        raise ValueError(f"n_params_head {n_params_head} must lie in [0, {n_params_dense}]")
+    body = flops_per_step(cfg, n_params_dense - n_params_head, lengths)
+    return body + 6.0 * n_params_head * n_labelled

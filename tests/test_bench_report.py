@@ -211,3 +211,26 @@ def test_sweep_configs_launches_each_kernel_as_the_op_does(monkeypatch):
                 assert torch.equal(a, b), (kind, tma)
     with pytest.raises(SystemExit, match="BMxBNxWxS"):
         sweep.parse_configs(["dq=128x64x8"])
+
+
+def test_bench_model_rows_carry_mfu_and_mfu_labelled(monkeypatch):
+    """``mfu`` counts the head on every position, ``mfu_labelled`` on the labelled ones only (the
+    rest of the model alike); the row names the backend that ran."""
+    from stabilitylab.model import dense_parameter_count, flops_per_step, head_parameter_count
+    from stabilitylab.presets import smoke
+    from stabilitylab.train.levers import build_rig
+
+    bench_model = _script("bench_model", monkeypatch)
+    cfg = smoke()
+    rig = build_rig(cfg, "softmax", "det", "cpu")
+    entry = {"rig": rig, "times": {"bare": [0.5, 0.25, 0.75]}, "peak_mem_GiB": 0.0, "first_s": 1}
+    row = bench_model.summarise(cfg, entry, peak_tflops=1e-3)
+    B, T = rig.batch[0].shape
+    flops = flops_per_step(cfg.model, dense_parameter_count(rig.model), [T] * B)
+    unlabelled = int((rig.batch[2] == -100).sum())
+    head_flops = 6.0 * head_parameter_count(rig.model) * unlabelled
+    assert row["arm / variant"] == "softmax-reference / det"
+    assert row["step_ms"] == 500.0
+    assert row["mfu"] == pytest.approx(flops / 0.5 / 1e9)
+    assert row["mfu_labelled"] == pytest.approx((flops - head_flops) / 0.5 / 1e9)
+    assert 0 < row["mfu_labelled"] < row["mfu"]

@@ -13,9 +13,13 @@ from stabilitylab.model import Transformer, masked_lm_loss_sum, split_qkv_heads
 from stabilitylab.presets import smoke
 from stabilitylab.train.levers import (
     ALTERNATIVES,
+    DETERMINISTIC,
+    DETERMINISTIC_VARIANTS,
+    HEAD_ROW_MULTIPLE,
     LEVERS,
     VARIANTS,
     build_rig,
+    deterministic_backend,
     parse_variants,
     synthetic_batch,
     variant_levers,
@@ -51,6 +55,31 @@ def test_chunked_ce_equals_masked_lm_loss_sum(bias, chunk):
     torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6)
     for g_got, g_ref in zip(got[1], ref[1], strict=True):
         torch.testing.assert_close(g_got, g_ref, rtol=1e-5, atol=1e-7)  # ref: fp32 CE
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("chunk", [1, 5, 10**9])
+def test_chunked_ce_on_padded_rows_is_the_same_loss_and_gradients(bias, chunk):
+    """row_multiple pads the weight's rows for the GEMMs only; the loss and the gradients of h,
+    W (V rows) and b are those without padding (the pad takes probability 0), to the float32 of
+    the loss's softmax (its sums run over V + pad columns, in another order)."""
+    h, w, b, labels = _head_inputs(torch.float64, bias)
+    V = w.shape[0]
+    ref = _loss_and_grads(
+        lambda: linear_cross_entropy_sum(h, w, b, labels, max_chunk_elements=chunk * V), h, w, b
+    )
+    got = _loss_and_grads(
+        lambda: linear_cross_entropy_sum(
+            h, w, b, labels, max_chunk_elements=chunk * 64, row_multiple=64
+        ),
+        h,
+        w,
+        b,
+    )
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6)
+    for g_got, g_ref in zip(got[1], ref[1], strict=True):
+        assert g_got.shape == g_ref.shape
+        torch.testing.assert_close(g_got, g_ref, rtol=1e-5, atol=1e-7)
 
 
 def test_chunked_ce_under_bf16_autocast_matches_eager_to_rounding():
@@ -103,10 +132,12 @@ def test_one_pass_qkv_grad_equals_autograds_bit_for_bit():
 
 def test_variants_parse_and_name_unknowns():
     assert parse_variants(["eager", "all", "eager"]) == ["eager", "all"]
-    assert variant_levers("all") == frozenset(LEVERS)
+    assert variant_levers("all") == frozenset(LEVERS) and "pad-vocab" in LEVERS
     assert variant_levers("mb2") == frozenset({"mb2"})
-    assert set(VARIANTS) == {"eager", "all", *LEVERS, *ALTERNATIVES}
-    assert not variant_levers("all") & set(ALTERNATIVES)
+    assert set(VARIANTS) == {"eager", "all", *LEVERS, *ALTERNATIVES, *DETERMINISTIC_VARIANTS}
+    assert not variant_levers("all") & {*ALTERNATIVES, DETERMINISTIC}
+    assert variant_levers("det") == {DETERMINISTIC}
+    assert variant_levers("det-all") == {*LEVERS, DETERMINISTIC}
     with pytest.raises(ValueError, match="'fast'"):
         parse_variants(["eager", "fast"])
 
@@ -145,6 +176,45 @@ def test_every_variant_computes_the_eager_step(arm):
         torch.testing.assert_close(_grads(rig.model), ref_grads, rtol=1e-4, atol=1e-6)
 
 
+def test_deterministic_backends_are_the_ones_train_deterministic_picks():
+    assert deterministic_backend("softmax", cuda=True) == "softmax-triton"
+    assert deterministic_backend("softmax", cuda=False) == "softmax-reference"
+    assert deterministic_backend("softmax-flex", cuda=True) == "softmax-triton"
+    for kept in ("sigmoid-triton", "softmax-triton", "sigmoid-reference"):
+        assert deterministic_backend(kept, cuda=True) == kept
+
+
+def test_det_rigs_step_in_deterministic_mode_and_restore_it():
+    """A det rig runs its steps (forward, backward, update) with the mode on, names the backend
+    that ran, and leaves the mode as it found it; the other rigs never turn it on."""
+    cfg = smoke()
+    det = build_rig(cfg, "softmax", "det", "cpu")
+    eager = build_rig(cfg, "softmax", "eager", "cpu")
+    assert det.label == "softmax-reference / det" and eager.label == "softmax / eager"
+    assert det.model.attention_layers[0].backend_name == "softmax-reference"
+    seen = []
+    for rig in (det, eager):
+        rig.model.register_forward_hook(
+            lambda *_: seen.append(torch.are_deterministic_algorithms_enabled())
+        )
+    assert not torch.are_deterministic_algorithms_enabled()
+    det.step()
+    assert not torch.are_deterministic_algorithms_enabled()
+    eager.step()
+    assert seen == [True, False]
+    with pytest.raises(RuntimeError), det.mode():
+        raise RuntimeError("a step failed")
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_pad_vocab_rigs_pad_the_head_only():
+    cfg = smoke()
+    for variant in ("pad-vocab", "all"):
+        rig = build_rig(cfg, "softmax", variant, "cpu", compile_backend="aot_eager")
+        assert rig.model.head.row_multiple == HEAD_ROW_MULTIPLE, variant
+    assert build_rig(cfg, "softmax", "eager", "cpu").model.head.row_multiple == 1
+
+
 def test_a_rig_steps_and_learns():
     rig = build_rig(smoke(), "softmax", "all", "cpu", compile_backend="aot_eager")
     first = rig.step(record_logits=True, layer_stats=True)
@@ -178,9 +248,11 @@ def test_compiled_softmax_model_follows_the_padding_hint():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("arm", ["sigmoid-triton", "softmax"])
-def test_variants_match_eager_on_gpu(arm):
+def test_variants_match_eager_on_gpu(arm, monkeypatch):
     """bf16 on the GPU: every variant's first loss and gradients equal eager's up to rounding
-    (inductor and the chunked loss round differently; no dropout so the draws do not differ)."""
+    (inductor and the chunked loss round differently; no dropout so the draws do not differ);
+    det runs softmax-triton for the softmax arm."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic matmuls
     cfg = smoke()
     cfg.model = ModelConfig(n_layers=2, d_model=128, n_heads=2, d_ff=512, dropout=0.0)
     cfg.data.context_len = 512
@@ -188,11 +260,15 @@ def test_variants_match_eager_on_gpu(arm):
     ref_loss = ref.loss()
     ref_loss.backward()
     ref_grads = _grads(ref.model)
-    for variant in ("compile", "compile-blocks", "chunked-ce", "no-copies"):
+    for variant in ("compile", "compile-blocks", "chunked-ce", "no-copies", "pad-vocab", "det"):
         rig = build_rig(cfg, arm, variant, "cuda")
         if "compile" in variant:
             assert rig.compile_note.startswith("fullgraph"), rig.compile_note
-        loss = rig.loss()
-        loss.backward()
+        with rig.mode():
+            loss = rig.loss()
+            loss.backward()
         assert abs(loss.item() - ref_loss.item()) <= 1e-2 * abs(ref_loss.item()), variant
         assert (_grads(rig.model) - ref_grads).norm() <= 3e-2 * ref_grads.norm(), variant
+        if variant == "det":
+            want = "softmax-triton" if arm == "softmax" else arm
+            assert rig.label == f"{want} / det", rig.label

@@ -15,9 +15,14 @@ from stabilitylab.model import (
     count_parameters,
     dense_parameter_count,
     flops_per_step,
+    flops_per_step_labelled,
     gate_mean,
+    head_linear,
+    head_parameter_count,
+    masked_lm_loss_sum,
     next_token_labels_BT,
     next_token_loss_sum,
+    padded_size,
     rope_cos_sin,
 )
 
@@ -313,6 +318,97 @@ def test_flops_count_the_causal_half():
     dense = 6.0 * 1000 * (10 + 4)
     assert flops_per_step(enc, 1000, [10, 4]) == dense + 12.0 * 3 * 32 * (100 + 16)
     assert flops_per_step(dec, 1000, [10, 4]) == dense + 12.0 * 3 * 32 * (55 + 10)
+
+
+def test_flops_labelled_count_the_head_on_labelled_rows_only():
+    enc = cfg()
+    model = build()
+    n_dense, n_head = dense_parameter_count(model), head_parameter_count(model)
+    assert n_head == V * 32 + V
+    assert flops_per_step_labelled(enc, n_dense, n_head, [T, T], 2 * T) == flops_per_step(
+        enc, n_dense, [T, T]
+    )
+    three = flops_per_step_labelled(enc, n_dense, n_head, [T, T], 3)
+    assert flops_per_step(enc, n_dense, [T, T]) - three == 6.0 * n_head * (2 * T - 3)
+    with pytest.raises(ValueError, match="n_params_head"):
+        flops_per_step_labelled(enc, 10, 11, [T], 1)
+
+
+# ---- the head's padded GEMM (a speed setting: the same function) -----------------------------
+
+
+def test_padded_size():
+    assert [padded_size(n, 64) for n in (1, 64, 65, 44003)] == [64, 64, 128, 44032]
+    assert padded_size(41, 1) == 41
+    with pytest.raises(ValueError, match="multiple"):
+        padded_size(41, 0)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("multiple", [8, 64])
+def test_head_linear_is_f_linear_with_its_gradients(bias, multiple):
+    """fp64: the padded GEMM gives F.linear's logits (shape N x V) and the same gradients of h,
+    the weight and the bias under a loss that weighs every logit."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 5, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(V, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
+    weights = torch.randn(2, 5, V, generator=g, dtype=torch.float64)
+    params = [t for t in (h, w, b) if t is not None]
+    results = []
+    for m in (1, multiple):
+        logits = head_linear(h, w, b, m)
+        assert logits.shape == (2, 5, V)
+        results.append((logits.detach(), torch.autograd.grad((logits * weights).sum(), params)))
+    (ref, ref_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    for a, r in zip(got_grads, ref_grads, strict=True):
+        assert a.shape == r.shape
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])  # encoder: head with bias; decoder: tied
+def test_a_padded_head_is_the_same_model(causal):
+    """fp64: set_head_row_multiple(64) leaves the logits (B x T x V), the loss and every
+    parameter's gradient (the tied embedding's included) as they were."""
+    tokens_BT, lengths_B = batch()
+    labels_BT = torch.where(torch.rand(tokens_BT.shape) < 0.5, tokens_BT, -100)
+    results = []
+    for multiple in (1, 64):
+        model = build(causal=causal).double()
+        model.set_head_row_multiple(multiple)
+        logits = model(tokens_BT, lengths_B)
+        assert logits.shape == (2, T, V)
+        loss = masked_lm_loss_sum(logits, labels_BT)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (ref_loss, ref_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert grad.shape == ref_grads[name].shape, name
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_a_padded_head_keeps_checkpoints_loading_both_ways():
+    """The setting is no parameter: the state dict has the same names and shapes (V rows), an
+    unpadded model's weights load into a padded one and back, and both give the same logits."""
+    plain, padded = build(seed=0), build(seed=1)
+    padded.set_head_row_multiple(64)
+    sd = padded.state_dict()
+    assert {k: v.shape for k, v in sd.items()} == {
+        k: v.shape for k, v in plain.state_dict().items()
+    }
+    assert sd["head.weight"].shape == (V, 32) and sd["head.bias"].shape == (V,)
+    padded.load_state_dict(plain.state_dict())
+    tokens_BT, lengths_B = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(padded(tokens_BT, lengths_B), plain(tokens_BT, lengths_B))
+    plain.load_state_dict(padded.state_dict())
+    assert padded.head.row_multiple == 64 and plain.head.row_multiple == 1
+    for bad in (0, -8, 2.0, True):
+        with pytest.raises(ValueError, match="row multiple"):
+            plain.set_head_row_multiple(bad)
 
 
 def test_encoder_state_dict_keys_are_unchanged():

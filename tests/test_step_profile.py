@@ -25,7 +25,9 @@ from stabilitylab.analysis.step_profile import (
     OPTIM,
     OTHER,
     KernelTime,
+    is_device_work,
     kernel_bucket,
+    kernels_from_profiler,
     summarise,
     to_csv,
     to_markdown,
@@ -339,6 +341,108 @@ def test_summarise_rejects_bad_counts():
         summarise([], 1.0, 0, "x")
     with pytest.raises(ValueError, match="wall_ms_total"):
         summarise([], 0.0, 1, "x")
+
+
+def test_a_negative_idle_gap_is_refused_naming_the_arm():
+    """Kernels summing to more than the step (a range that is no kernel, counted) raise; a gap
+    within the clock tolerance does not."""
+    with pytest.raises(ValueError, match="softmax / eager.*idle/host gap"):
+        summarise([KernelTime("k", 7000.0)], wall_ms_total=6.0, n_steps=1, label="softmax / eager")
+    p = summarise([KernelTime("k", 6020.0)], wall_ms_total=6.0, n_steps=1, label="x")
+    assert p.bucket_ms[IDLE] == pytest.approx(-0.02)
+
+
+class _CpuEvent:
+    """What ``prof.events()`` yields: a FunctionEvent's fields that the reader uses."""
+
+    def __init__(self, id, name, parent=None, device_type=None):
+        from torch.autograd import DeviceType
+
+        self.id, self.name, self.cpu_parent = id, name, parent
+        self.device_type = DeviceType.CPU if device_type is None else device_type
+
+
+class _KinetoEvent:
+    """A raw kineto event (``prof.profiler.kineto_results.events()``)."""
+
+    def __init__(self, name, start_us, end_us, kind, annotation=False, link=0, cuda=True):
+        from torch.autograd import DeviceType
+
+        self._name, self._kind, self._annotation, self._link = name, kind, annotation, link
+        self._span = (int(start_us * 1e3), int(end_us * 1e3))
+        self._device = DeviceType.CUDA if cuda else DeviceType.CPU
+
+    def name(self):
+        return self._name
+
+    def device_type(self):
+        return self._device
+
+    def activity_type(self):
+        return self._kind
+
+    def is_user_annotation(self):
+        return self._annotation
+
+    def linked_correlation_id(self):
+        return self._link
+
+    def start_ns(self):
+        return self._span[0]
+
+    def end_ns(self):
+        return self._span[1]
+
+
+class _FakeProfile:
+    def __init__(self, cpu_events, kineto_events):
+        self._cpu = cpu_events
+        self.profiler = type("P", (), {})()
+        self.profiler.kineto_results = type("K", (), {"events": lambda _: kineto_events})()
+
+    def events(self):
+        return self._cpu
+
+
+def test_kernels_from_profiler_leaves_out_the_annotation_ranges():
+    """The device timeline of one step as torch 2.x's kineto gives it: the record_function
+    phases and torch's optimizer range appear as ``gpu_user_annotation`` spans over the kernels
+    they contain; only kernels, memcpys and memsets are read, each with its launching op and
+    phase, and the buckets then add up to the step."""
+    forward = _CpuEvent(1, "forward")
+    mm = _CpuEvent(2, "aten::mm", forward)
+    optimizer = _CpuEvent(3, "optimizer")
+    adam = _CpuEvent(4, "aten::_fused_adamw_", _CpuEvent(5, "Optimizer.step#AdamW.step", optimizer))
+    kineto = [
+        _KinetoEvent("forward", 0, 900, "user_annotation", True, cuda=False),
+        _KinetoEvent("forward", 10, 900, "gpu_user_annotation", True),
+        _KinetoEvent("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", 10, 800, "kernel", link=2),
+        _KinetoEvent("Memcpy DtoD (Device -> Device)", 800, 850, "gpu_memcpy"),
+        _KinetoEvent("Memset (Device)", 850, 860, "gpu_memset"),
+        _KinetoEvent("optimizer", 900, 1000, "gpu_user_annotation", True),
+        _KinetoEvent("Optimizer.step#AdamW.step", 905, 1000, "gpu_user_annotation", True),
+        _KinetoEvent("multi_tensor_apply_kernel<FusedAdamMathFunctor>", 910, 990, "kernel", link=4),
+        _KinetoEvent("Stream Sync", 990, 1000, "cuda_sync"),
+    ]
+    prof = _FakeProfile([forward, mm, optimizer, adam], kineto)
+    got = kernels_from_profiler(prof, "cuda")
+    assert [(k.name[:6], k.op, k.phase) for k in got] == [
+        ("nvjet_", "aten::mm", "forward"),
+        ("Memcpy", "", ""),
+        ("Memset", "", ""),
+        ("multi_", "aten::_fused_adamw_", "optimizer"),
+    ]
+    assert [k.us for k in got] == pytest.approx([790, 50, 10, 80])
+    p = summarise(got, wall_ms_total=1.0, n_steps=1, label="fake")
+    assert p.bucket_ms[OTHER] == 0 and p.bucket_ms[OPTIM] == pytest.approx(0.08)
+    assert p.bucket_ms[IDLE] == pytest.approx(0.07)
+
+
+def test_is_device_work_without_an_activity_type_drops_annotations():
+    assert is_device_work("kernel", False) and is_device_work("gpu_memset", False)
+    assert not is_device_work("gpu_user_annotation", True)
+    assert not is_device_work("cuda_sync", False)
+    assert is_device_work("", False) and not is_device_work("", True)
 
 
 def test_profile_step_cpu_smoke(tmp_path):

@@ -35,7 +35,6 @@ round; tables show medians over rounds, bars medians of per-round ratios.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import math
 import os
@@ -55,6 +54,7 @@ from stabilitylab.analysis.bench_report import (
     model_step_bar,
     summary,
 )
+from stabilitylab.determinism import deterministic_mode, set_cublas_workspace
 from stabilitylab.kernels import sigmoid_attention, softmax_attention
 from stabilitylab.kernels.reference import key_mask_BT, sigmoid_attention_reference
 from stabilitylab.kernels.sigmoid_attention import EXACT, TANH_F32, _fwd_op
@@ -83,21 +83,6 @@ def make_inputs(T: int, D: int, pad: float, device="cuda"):
         for _ in range(3)
     )
     return q, k, v, lengths_B
-
-
-@contextlib.contextmanager
-def deterministic_mode(on: bool):
-    """``torch.use_deterministic_algorithms(on)`` inside, the previous mode (and its warn-only
-    flag) restored after, so one provider's mode never reaches another's timings."""
-    before, warn_only = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
-    torch.use_deterministic_algorithms(on)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 def is_deterministic(name: str) -> bool:
@@ -324,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention needs a CUDA GPU")
     if any(map(is_deterministic, args.providers)):  # as train.deterministic: before any matmul
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        set_cublas_workspace()
     os.makedirs(args.out, exist_ok=True)
     print(provenance())
     if args.model_step:

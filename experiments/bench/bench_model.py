@@ -3,11 +3,24 @@ memory per arm, and the cost of the default telemetry.
 
     python experiments/bench/bench_model.py                   # 160M, T=8192, micro-batch 1
     python experiments/bench/bench_model.py --arms softmax sigmoid-triton --steps 10
-    python experiments/bench/bench_model.py --variants eager compile mb2 chunked-ce no-copies all
+    python experiments/bench/bench_model.py --variants eager compile mb2 chunked-ce no-copies \
+        pad-vocab all det det-all
 
 Variants (stabilitylab/train/levers.py): ``eager`` (today's step), each speed lever alone
-(``compile``, ``mb2``, ``chunked-ce``, ``no-copies``) and ``all`` of them; one row per arm x
-variant. ``first_step_s``: building and the first step (autotuning, compiling).
+(``compile``, ``mb2``, ``chunked-ce``, ``no-copies``, ``pad-vocab``), ``all`` of them, and the
+deterministic ``det`` (eager) and ``det-all`` (all levers): the step under
+``torch.use_deterministic_algorithms(True)`` for that row's steps only, as train.deterministic
+runs it, with its backend (softmax -> softmax-triton, sigmoid-triton with its pinned configs).
+One row per arm x variant, labelled by the backend that ran (``softmax-triton / det``).
+``first_step_s``: building and the first step (autotuning, compiling).
+
+Columns ``mfu`` and ``mfu_labelled``: model FLOPs per second over the dense bf16 peak.
+``mfu`` counts the FLOPs of the eager step, the head's GEMMs on every position
+(``model.flops_per_step``: 6 x dense params x tokens + attention); ``mfu_labelled`` counts the
+head on the labelled positions only (15% of them; ``model.flops_per_step_labelled``), the work
+the masked-token loss needs. A variant that skips the head on unlabelled rows (``chunked-ce``,
+``all``) does not do the FLOPs ``mfu`` credits it with, so ``mfu`` overstates it; compare such
+rows by ``mfu_labelled`` (or by step time). Padded rows (``pad-vocab``) are never counted.
 
 One optimizer step = forward + backward + AdamW on one micro-batch of full-length sequences
 (bf16 autocast). Telemetry overhead: the extra time of a step that records max |logit| and of one
@@ -24,8 +37,22 @@ import time
 import torch
 
 from stabilitylab.config import stress_8k
-from stabilitylab.model import count_parameters, dense_parameter_count, flops_per_step
-from stabilitylab.train.levers import VARIANTS, StepRig, build_rig, parse_variants
+from stabilitylab.determinism import set_cublas_workspace
+from stabilitylab.model import (
+    count_parameters,
+    dense_parameter_count,
+    flops_per_step,
+    flops_per_step_labelled,
+    head_parameter_count,
+)
+from stabilitylab.train.levers import (
+    DETERMINISTIC,
+    VARIANTS,
+    StepRig,
+    build_rig,
+    parse_variants,
+    variant_levers,
+)
 
 KINDS = {
     "bare": {"grad_norm": False},
@@ -68,7 +95,11 @@ def summarise(cfg, entry: dict, peak_tflops: float, every: int = 50) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     t_bare = med["bare"]
     B, T = rig.batch[0].shape
-    flops = flops_per_step(cfg.model, dense_parameter_count(rig.model), [T] * B)
+    n_dense = dense_parameter_count(rig.model)
+    flops = flops_per_step(cfg.model, n_dense, [T] * B)
+    n_labelled = int((rig.batch[2] != -100).sum())
+    n_head = head_parameter_count(rig.model)
+    flops_labelled = flops_per_step_labelled(cfg.model, n_dense, n_head, [T] * B, n_labelled)
     row = {
         "arm / variant": rig.label,
         "params_M": count_parameters(rig.model) / 1e6,
@@ -77,6 +108,7 @@ def summarise(cfg, entry: dict, peak_tflops: float, every: int = 50) -> dict:
         "step_ms": t_bare * 1e3,
         "tokens_per_s": B * T / t_bare,
         "mfu": flops / t_bare / (peak_tflops * 1e12),
+        "mfu_labelled": flops_labelled / t_bare / (peak_tflops * 1e12),
         "peak_mem_GiB": entry["peak_mem_GiB"],
         "first_step_s": entry["first_s"],
     }
@@ -137,6 +169,8 @@ def main() -> None:
         raise SystemExit(f"error: --variants: {e}") from None
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_model.py needs a CUDA GPU")
+    if any(DETERMINISTIC in variant_levers(v) for v in variants):
+        set_cublas_workspace()  # as train.deterministic: before the first matmul
     cfg = stress_8k()
     cfg.data.context_len = args.context
     rows, entries, skipped = bench(

@@ -30,8 +30,16 @@ from stabilitylab.analysis.step_profile import (
     to_markdown,
 )
 from stabilitylab.config import stress_8k
+from stabilitylab.determinism import set_cublas_workspace
 from stabilitylab.presets import smoke
-from stabilitylab.train.levers import VARIANTS, StepRig, build_rig, parse_variants
+from stabilitylab.train.levers import (
+    DETERMINISTIC,
+    VARIANTS,
+    StepRig,
+    build_rig,
+    parse_variants,
+    variant_levers,
+)
 
 
 def _sync(device: torch.device) -> None:
@@ -101,6 +109,8 @@ def main() -> None:
         raise SystemExit(
             f"error: --steps must be >= 1, --warmup >= 0 (got {args.steps}, {args.warmup})"
         )
+    if any(DETERMINISTIC in variant_levers(v) for v in variants):
+        set_cublas_workspace()  # as train.deterministic: before the first matmul
     cfg = config(args.tiny, args.context)
     args.out.mkdir(parents=True, exist_ok=True)
     tables, skipped = [], []

@@ -22,11 +22,23 @@ Levers (a variant is ``eager``, one lever alone, or ``all`` of ``LEVERS``):
 - ``no-copies``: the q/k/v gradient assembled in one pass (``model.split_qkv_heads``); the same
   values bit for bit. The Triton kernels already take the strided q/k/v views and write their
   output in the layout the output projection reads.
+- ``pad-vocab``: the head's GEMMs on its rows padded to a multiple of ``HEAD_ROW_MULTIPLE``
+  (``Transformer.set_head_row_multiple``, and ``row_multiple`` of the chunked loss): V = 44,003
+  is odd and cuBLAS runs it on alignment-1 kernels. The same function; parameters and checkpoints
+  unchanged.
+
+Deterministic variants (not speed levers; measured beside the default): ``det`` is ``eager`` and
+``det-all`` is ``all``, each stepped under ``torch.use_deterministic_algorithms(True)`` as
+``train.deterministic`` runs (the Triton kernels launch their pinned configs), with the
+backend ``train.deterministic`` would pick (``deterministic_backend``: softmax's SDPA becomes
+softmax-triton on CUDA); the mode is on for that rig's own steps only. A rig's label names the
+backend that ran: ``softmax-triton / det``.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -34,24 +46,43 @@ from torch.profiler import record_function
 
 from stabilitylab.attention import compiled_lengths_hint
 from stabilitylab.chunked_loss import linear_cross_entropy_sum
-from stabilitylab.config import Config
+from stabilitylab.config import NOT_DETERMINISTIC, Config
+from stabilitylab.determinism import deterministic_mode
 from stabilitylab.model import Transformer, masked_lm_loss_sum, vocab_size_for
 from stabilitylab.telemetry import LayerStatsMonitor, LogitMonitor, global_grad_norm
 from stabilitylab.train.build import make_optimizer
 
-LEVERS = ("compile", "mb2", "chunked-ce", "no-copies")
+LEVERS = ("compile", "mb2", "chunked-ce", "no-copies", "pad-vocab")
 ALTERNATIVES = ("compile-blocks",)
 """Variants measured alone but not part of ``all`` (another form of a lever in ``LEVERS``)."""
-VARIANTS = ("eager", *LEVERS, *ALTERNATIVES, "all")
+DETERMINISTIC = "det"
+"""The mode of the deterministic variants (module docstring), carried in a rig's levers."""
+DETERMINISTIC_VARIANTS = {"det": "eager", "det-all": "all"}
+"""Each deterministic variant and the variant whose levers it takes."""
+VARIANTS = ("eager", *LEVERS, *ALTERNATIVES, "all", *DETERMINISTIC_VARIANTS)
+HEAD_ROW_MULTIPLE = 64
+"""``pad-vocab``: the head's rows padded to this multiple (44,003 -> 44,032)."""
 
 
 def variant_levers(variant: str) -> frozenset[str]:
-    """The levers a variant turns on: none (``eager``), one, or every one (``all``)."""
+    """The levers a variant turns on: none (``eager``), one, or every one (``all``); the
+    deterministic variants add ``DETERMINISTIC`` to ``eager``'s or ``all``'s."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {list(VARIANTS)}")
+    if variant in DETERMINISTIC_VARIANTS:
+        return variant_levers(DETERMINISTIC_VARIANTS[variant]) | {DETERMINISTIC}
     if variant == "eager":
         return frozenset()
     return frozenset(LEVERS) if variant == "all" else frozenset({variant})
+
+
+def deterministic_backend(backend: str, cuda: bool) -> str:
+    """The backend an arm runs with under ``train.deterministic``: one that may differ run to
+    run (``config.NOT_DETERMINISTIC``: SDPA, FlexAttention) gives way to softmax-triton on CUDA,
+    softmax-reference on CPU, as ``Config.backend_for`` picks; the others stay."""
+    if backend not in NOT_DETERMINISTIC:
+        return backend
+    return "softmax-triton" if cuda else "softmax-reference"
 
 
 def parse_variants(names: list[str]) -> list[str]:
@@ -97,6 +128,11 @@ class StepRig:
     def device(self) -> torch.device:
         return self.batch[0].device
 
+    def mode(self):
+        """The deterministic mode around this rig's steps (on for ``det`` variants; else the
+        process's mode, untouched)."""
+        return deterministic_mode(True) if DETERMINISTIC in self.levers else nullcontext()
+
     def loss(self) -> torch.Tensor:
         """Mean masked-token loss of the batch (forward and loss phases), float32."""
         tokens_BT, lengths_B, labels_BT = self.batch
@@ -108,13 +144,20 @@ class StepRig:
             with record_function("loss"):
                 if hidden:
                     head = self.model.head
-                    total = linear_cross_entropy_sum(out, head.weight, head.bias, labels_BT)
+                    total = linear_cross_entropy_sum(
+                        out, head.weight, head.bias, labels_BT, row_multiple=head.row_multiple
+                    )
                 else:
                     total = masked_lm_loss_sum(out, labels_BT)
                 return total / (labels_BT != -100).sum()
 
     def step(self, record_logits=False, layer_stats=False, grad_norm=True) -> torch.Tensor:
-        """One optimizer step as the trainer takes it, telemetry chosen; returns the loss."""
+        """One optimizer step as the trainer takes it, telemetry chosen, in the rig's ``mode``;
+        returns the loss."""
+        with self.mode():
+            return self._step(record_logits, layer_stats, grad_norm)
+
+    def _step(self, record_logits, layer_stats, grad_norm) -> torch.Tensor:
         model, opt = self.model, self.optimizer
         if record_logits:
             self.logit_mon.attach(model)
@@ -153,12 +196,16 @@ def build_rig(
     compile_backend: str = "inductor",
 ) -> StepRig:
     """The arm ``backend`` at ``cfg``'s model and context with ``variant``'s levers. Every
-    variant of an arm starts from the same weights (seed 0) and, per sequence, the same batch."""
+    variant of an arm starts from the same weights (seed 0) and, per sequence, the same batch.
+    A deterministic variant runs ``deterministic_backend(backend)``, named in the label."""
     levers = variant_levers(variant)
+    if DETERMINISTIC in levers:
+        backend = deterministic_backend(backend, torch.device(device).type == "cuda")
     T, vocab = cfg.data.context_len, vocab_size_for(cfg.data.n_genes)
     torch.manual_seed(0)
     model = Transformer(cfg.model, vocab, T, backend).to(device)
     model.set_one_pass_qkv_grad("no-copies" in levers)
+    model.set_head_row_multiple(HEAD_ROW_MULTIPLE if "pad-vocab" in levers else 1)
     B = micro_batch * (2 if "mb2" in levers else 1)
     rig = StepRig(
         label=f"{backend} / {variant}",
@@ -190,6 +237,14 @@ def _compile_checked(rig: StepRig, compile_backend: str) -> str:
     targets = list(model.blocks) if "compile-blocks" in rig.levers else [model]
     raise_recompile_limit()
     t0 = time.perf_counter()
+    with rig.mode():
+        note = _compile_traced(rig, targets, compile_backend)
+    model.zero_grad(set_to_none=True)
+    return f"{note}; first traced step {time.perf_counter() - t0:.1f} s"
+
+
+def _compile_traced(rig: StepRig, targets: list[torch.nn.Module], compile_backend: str) -> str:
+    """Compile ``targets`` (fullgraph, else with breaks) and trace one forward and backward."""
     try:
         for m in targets:
             m.compile(fullgraph=True, dynamic=False, backend=compile_backend)
@@ -203,5 +258,4 @@ def _compile_checked(rig: StepRig, compile_backend: str) -> str:
             m.compile(dynamic=False, backend=compile_backend)
         rig.loss().backward()
         note = f"graph breaks ({type(e).__name__}: {reason})"
-    model.zero_grad(set_to_none=True)
-    return f"{note}; first traced step {time.perf_counter() - t0:.1f} s"
+    return note
