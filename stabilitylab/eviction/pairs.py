@@ -4,8 +4,8 @@
         --preset reduced --study.parallel=True
 
 Each pair (``sm-rope`` with ``sm-g-rope``, ...; a cell whose partner is not asked for goes alone)
-runs the same command with ``--cells <pair> --study.parallel=False --study.out_dir=<run
-dir>/study-<first cell>``, its output in ``<run dir>/study-<first cell>.log``; the children
+runs the same command with ``--cells <pair> --study.parallel=False --study.timing=False
+--study.out_dir=<run dir>/study-<first cell>``, its output in ``<run dir>/study-<first cell>.log``; the children
 inherit the launcher's environment (mixed precision, the visible GPU). The children do not time
 the decode (``--study.timing=False``): each would time while the others train or evaluate on the
 same GPU. When every child has finished, their studies are joined into ``study.out_dir`` (default

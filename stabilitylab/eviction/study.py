@@ -13,7 +13,8 @@
   only through ``evaluate_selected``): compression on val and test, test PPL, its dense backbone's
   test PPL (``sig-g-rope`` -> ``sig-rope``), and H2O / KeyDiff on that backbone at the budget
   matched per window and layer to the gated model's final live cache. A missing backbone leaves
-  its columns NaN with a note.
+  its columns NaN with a note. ``fingerprint`` names the swept model, so a later process can run
+  the recorded tau* on that model only (``speed.recorded_selections``).
 - ``decode_speed``: wall-clock of the test evaluation at tau* against the same model at tau = 0,
   median (min, max) of ``repeats`` alternating runs, decoded tokens per second, and the final
   live K/V bytes (``speed.py``); empty with ``timing=False`` (the parallel study's per-pair
