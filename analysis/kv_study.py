@@ -1,6 +1,7 @@
 """The KV-eviction study's report: tables as CSV and markdown, figures, and study.md.
 
     paths = write_study(tables, Path("runs/kv_tiny/study"))   # tables: StudyResult.tables() + probes
+    paths = time_study(cfg, Path("runs/kv_reduced/study"))    # decode_speed, timed in this process
     python analysis/kv_study.py --merge runs/kv_reduced/study-* --out runs/kv_reduced/study
 
 Files (``<run dir>/study/`` or ``study.out_dir``): the eviction tables (table1, table2, table5,
@@ -9,7 +10,9 @@ rowsum_binarization[_summary]) as ``.csv`` (full precision) and ``.md`` (4 signi
 Figure 1 (PPL vs compression), Figure 2 (support removal), Figure 3 (row-sum CV, binarization)
 and the category bars; ``study.md`` stitches them with a line on what each is. Every figure is
 drawn from the tables alone, so studies of disjoint cells (one process per pair of cells on a
-GPU) join by concatenating their CSVs (``merge_studies``).
+GPU) join by concatenating their CSVs (``merge_studies``). Those processes do not time the decode
+(``study.timing=False``); the parallel study's parent then times it alone on the device at the
+tau* the joined table2 froze (``time_study``) and rewrites decode_speed and study.md.
 """
 
 from __future__ import annotations
@@ -53,9 +56,12 @@ CAPTIONS = {
     "the same model at tau = 0; compression over all layers, over the evictable layers, per "
     "layer); `selected` marks tau*.",
     "decode_speed": "Decode wall-clock on test at tau* against the same model at tau = 0: "
-    "whole evaluation (prefill included) in the eager decode loop, synchronised on CUDA; "
-    "decoded tokens per second and the final live K/V bytes per window. A measurement, not a "
-    "benchmark of a fused kernel.",
+    "whole evaluation (prefill included) in the eager decode loop, synchronised on CUDA; the "
+    "median seconds of `repeats` alternating runs (min / max beside it), the speedup of the "
+    "medians, decoded tokens per second and the final live K/V bytes per window. "
+    "`measured_alone`: no other process of the study shared the device while it was timed (the "
+    "parallel study times in its parent after every pair's process has ended). A measurement, "
+    "not a benchmark of a fused kernel.",
     "table4_categories": "Table 4: mean gate per token category (GPT-2 pieces of the diagnostic "
     "windows) and gated cell.",
     "extreme_tokens": "The lowest- and highest-gate tokens per gated cell (tokens seen at least "
@@ -71,6 +77,12 @@ CAPTIONS = {
     "rowsum_binarization_summary": "Row-sum CV and binarization, mean over layers per cell (the "
     "paper: row-sum CV 0.484 / 0.444; binarization 43.3% / 36.8% / 24.4%).",
 }
+
+
+NOT_TIMED = (
+    "No row: no gated cell was timed here (none was studied, or study.timing=False, as in the "
+    "parallel study's per-pair processes, whose parent times alone after they end)."
+)
 
 
 def write_table(df: pd.DataFrame, out_dir: Path, name: str) -> dict[str, Path]:
@@ -162,7 +174,9 @@ def study_markdown(
     if header:
         lines += [header, ""]
     for name in EVICTION_TABLES:
-        lines += _section(name, CAPTIONS[name], md_table(tables[name]))
+        df = tables[name]
+        body = NOT_TIMED if name == "decode_speed" and df.empty else md_table(df)
+        lines += _section(name, CAPTIONS[name], body)
     probes = [n for n in PROBE_TABLES if n in tables]
     if not probes:
         lines += ["## Diagnostics", "", "Not run with this report.", ""]
@@ -216,13 +230,28 @@ def _concat(parts: list[pd.DataFrame]) -> pd.DataFrame:
         return pd.concat(full, ignore_index=True)
 
 
+def read_study(study_dir: str | Path) -> dict[str, pd.DataFrame]:
+    """The tables a study folder holds (its CSVs), by name."""
+    d = Path(study_dir)
+    names = (*EVICTION_TABLES, *PROBE_TABLES)
+    return {n: _read_csv(d / f"{n}.csv") for n in names if (d / f"{n}.csv").is_file()}
+
+
+def study_header(study_dir: str | Path) -> str:
+    """The whole header of a study's study.md: the text between its title and first section."""
+    text = (Path(study_dir) / "study.md").read_text()
+    body = text.split("\n", 1)[1] if text.startswith("# ") else text
+    return body.split("\n## ", 1)[0].strip()
+
+
 def merge_studies(study_dirs: list[str | Path], out_dir: str | Path) -> dict[str, Path]:
     """Studies of disjoint cells (e.g. one process per dense / gated pair) joined into one: each
     table's rows concatenated, the figures redrawn, study.md rewritten."""
     dirs = [Path(d) for d in study_dirs]
+    read = [read_study(d) for d in dirs]
     tables: dict[str, pd.DataFrame] = {}
     for name in (*EVICTION_TABLES, *PROBE_TABLES):
-        parts = [_read_csv(d / f"{name}.csv") for d in dirs if (d / f"{name}.csv").is_file()]
+        parts = [r[name] for r in read if name in r]
         if parts:
             tables[name] = _concat(parts)
     cells = tables["table1"]["cell"] if "table1" in tables else pd.Series(dtype=str)
@@ -232,6 +261,15 @@ def merge_studies(study_dirs: list[str | Path], out_dir: str | Path) -> dict[str
         f"- {_header_of(d)}" for d in dirs if (d / "study.md").is_file()
     ])  # fmt: skip
     return write_study(tables, Path(out_dir), header)
+
+
+def replace_decode_speed(study_dir: str | Path, speed: pd.DataFrame, note: str = "") -> dict:
+    """A written study with its decode_speed table replaced by ``speed``: every file rewritten
+    from the folder's tables (figures redrawn), study.md's header kept with ``note`` added."""
+    tables = read_study(study_dir)
+    tables["decode_speed"] = speed
+    header = "\n\n".join(h for h in (study_header(study_dir), note) if h)
+    return write_study(tables, Path(study_dir), header)
 
 
 # ---- the study of one run ---------------------------------------------------------------------
@@ -270,7 +308,8 @@ def study_report(cfg, device: str | None = None, *, grid=None, progress: bool = 
     cells = load_cells(run_dir, cfg.cells, device, expect=cfg)
     inputs = study_inputs(cfg, cells, grid=TAU_GRID if grid is None else grid, progress=progress)
     torch.manual_seed(cfg.study.seed)
-    tables = run_study(cells, inputs).tables()
+    s = cfg.study
+    tables = run_study(cells, inputs, timing=s.timing, repeats=s.timing_repeats).tables()
     tables.update(probe_study_tables(cfg, cells, run_dir))
     d = inputs.decode
     header = (
@@ -281,6 +320,63 @@ def study_report(cfg, device: str | None = None, *, grid=None, progress: bool = 
         f"{list(inputs.grid)}."
     )
     return write_study(tables, Path(cfg.study.out_dir or run_dir / "study"), header)
+
+
+def check_test_windows(table1: pd.DataFrame, cells, inputs) -> None:
+    """The windows about to be timed are the study's: each cell's test tokens in table1 equal
+    ``inputs``' (same decode split and test windows), else a StudyError naming the cell."""
+    from stabilitylab.eviction.cells import StudyError
+
+    n = len(inputs.test.indices(inputs.decode, inputs.test_windows)) * inputs.decode.window
+    written = dict(zip(table1["cell"], table1["n_targets"], strict=True))
+    for cell in cells:
+        if written.get(cell) != n:
+            raise StudyError(
+                f"table1 scored {written.get(cell)} test tokens of {cell}, this config's "
+                f"study.prefill / study.window / study.test_windows give {n}: another study"
+            )
+
+
+def time_study(cfg, study_dir=None, device: str | None = None, *, progress: bool = False):
+    """Time the decode of a written study's gated cells in this process, alone on ``device``
+    (CUDA when visible): the parallel study's parent, once every per-pair process has ended.
+    tau* is the one table2 froze on validation (``recorded_selections`` applies the rule again
+    to table5's sweep and checks the model's fingerprint); the test windows are ``cfg``'s,
+    checked against table1's. Rewrites decode_speed and study.md (``replace_decode_speed``);
+    returns ``{file name: path}``."""
+    import torch
+
+    from stabilitylab.eviction.cells import StudyError, load_cells
+    from stabilitylab.eviction.speed import (
+        DECODE_SPEED_COLUMNS,
+        check_fingerprints,
+        decode_speed,
+        recorded_selections,
+    )
+    from stabilitylab.eviction.study import study_inputs
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    run_dir = Path(cfg.out_dir) / cfg.name
+    study_dir = Path(study_dir or cfg.study.out_dir or run_dir / "study")
+    tables = read_study(study_dir)
+    missing = [n for n in ("table1", "table2", "table5") if n not in tables]
+    if missing:
+        raise StudyError(f"{study_dir}: no {missing} to time; write the study first")
+    gated = list(tables["table2"].get("cell", ()))
+    if not gated:
+        return replace_decode_speed(study_dir, pd.DataFrame(columns=DECODE_SPEED_COLUMNS))
+    cells = load_cells(run_dir, gated, device, expect=cfg)
+    inputs = study_inputs(cfg, cells, progress=progress)
+    check_test_windows(tables["table1"], gated, inputs)
+    selections = recorded_selections(tables["table2"], tables["table5"], inputs.decode, str(study_dir))  # fmt: skip
+    check_fingerprints(cells, selections, str(study_dir))
+    repeats = cfg.study.timing_repeats
+    speed = decode_speed(cells, selections, inputs, repeats=repeats, alone=True)
+    note = (
+        f"decode_speed: timed after the study's tables were written, by one process alone on "
+        f"{device} ({repeats} alternating dense / tau* runs per gated cell), at table2's tau*."
+    )
+    return replace_decode_speed(study_dir, speed, note)
 
 
 def main(argv: list[str] | None = None) -> int:

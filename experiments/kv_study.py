@@ -16,6 +16,13 @@ on test; its dense backbone (SM+G-RoPE -> SM-RoPE, ...) and H2O / KeyDiff on tha
 matched final live-cache size run on the same test windows. Output: runs/<name>/study/
 (table1, table2, table5, decode_speed as .md and .csv, fig1_ppl_vs_compression.png, study.md).
 
+Decode speed: each gated cell on test at tau* and at tau = 0, --study.timing_repeats runs of each
+(default 3, alternating), the median seconds with min / max and the speedup of the medians. With
+--study.parallel=True (a process per dense / gated pair on the one GPU) the pairs' processes do
+not time (--study.timing=False is passed to them): the parent times every gated cell alone on the
+GPU once they have all ended, at the tau* of the joined table2 (frozen on validation), and
+rewrites decode_speed and study.md; the ``measured_alone`` column records it.
+
 Expected on tiny (measured, 2 CPU cores, 2026-12-02): about 30 s of training and 10 s of study
 on idle cores (6 min with the cores shared); the gates stay near sigmoid(5) = 0.993, above every
 grid point, so tau* = 0 and compression 0 for each gated cell (nothing to evict at this size);

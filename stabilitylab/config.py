@@ -431,7 +431,14 @@ class StudyConfig:
     parallel: bool = False
     """Train and study each dense / gated pair of cells (sm-rope with sm-g-rope, ...) in a process
     of its own, all at once on the one GPU, then join their studies into one (how the reduced
-    study ran on one H200: four processes, ~11.5 min for the 8 cells)."""
+    study ran on one H200: four processes, ~11.5 min for the 8 cells). Its processes do not time
+    the decode; the parent does, alone on the GPU, after they have all ended (study.timing)."""
+    timing: bool = True
+    """Time each gated cell's test decode at tau* against tau = 0 (the decode_speed table). The
+    parallel mode sets it False in its per-pair processes and times in the parent after them."""
+    timing_repeats: int = 3
+    """Timed dense / tau* runs per gated cell, alternating; decode_speed reports the median
+    seconds and the min / max."""
 
     def __post_init__(self) -> None:
         check_finite(self, "study.")
@@ -439,6 +446,11 @@ class StudyConfig:
         for k in ("prefill", "window", "val_windows", "test_windows", "seed"):
             _check(getattr(self, k) >= 0, f"study.{k}", f"must be >= 0, got {getattr(self, k)}")
         _check(self.batch_size > 0, "study.batch_size", f"must be positive, got {self.batch_size}")
+        _check(
+            self.timing_repeats >= 1,
+            "study.timing_repeats",
+            f"must be >= 1 (timed runs per gated cell), got {self.timing_repeats}",
+        )
         _check(
             self.probe_windows > 0,
             "study.probe_windows",

@@ -23,6 +23,7 @@ from stabilitylab.eviction import (
     KeyDiff,
     LayerCache,
     NoEviction,
+    RecordedSelection,
     Selection,
     Split,
     Sweep,
@@ -401,6 +402,30 @@ def test_tau_is_selected_on_validation_and_frozen_for_test(seed):
     res = evaluate_selected(model, test, sel, max_windows=2)
     assert res.split is Split.TEST and res.policy == f"gate(tau={sel.tau:g})"
     assert res.decode == DECODE and len(res.window_indices) == 2
+
+
+def test_a_recorded_sweep_freezes_the_same_tau_star_for_another_process(seed):
+    """The rule applied again to a sweep's recorded validation numbers: the same tau*, the same
+    test run; tau* is never an argument, and the fingerprint binds it to the swept model."""
+    model = tiny_decoder(seed, "sigmoid-reference", n_layers=2)
+    val, test = eval_set(seed, Split.VAL), eval_set(seed + 7, Split.TEST)
+    sweep = sweep_tau(model, val, grid=(0.0, 0.3, 0.6), decode=DECODE, max_windows=2)
+    ppl, comp = [r.ppl for r in sweep.results], [r.compression for r in sweep.results]
+    rec = RecordedSelection(sweep.fingerprint, DECODE, sweep.taus, tuple(ppl), tuple(comp))
+    sel = select_tau(sweep)
+    assert rec.tau == sel.tau and rec.decode == sel.decode == DECODE
+    a = evaluate_selected(model, test, rec, max_windows=2)
+    b = evaluate_selected(model, test, sel, max_windows=2)
+    assert a.ppl == b.ppl and a.policy == b.policy
+    # Recorded compressions that favour 0.6 within the PPL limit: the rule picks it, not a caller.
+    lax = RecordedSelection(sweep.fingerprint, DECODE, sweep.taus, (5.0, 5.05, 5.09), (0, 0.1, 0.2))
+    assert lax.tau == 0.6
+    with pytest.raises(ValueError, match="another model"):
+        evaluate_selected(tiny_decoder(seed + 1, "sigmoid-reference", n_layers=2), test, rec)
+    with pytest.raises(ValueError, match="must contain 0"):
+        RecordedSelection(sweep.fingerprint, DECODE, (0.3, 0.6), (1.0, 1.0), (0.0, 0.0))
+    with pytest.raises(ValueError, match="3 taus, 2 PPLs"):
+        RecordedSelection(sweep.fingerprint, DECODE, sweep.taus, (1.0, 1.0), tuple(comp))
 
 
 def test_baselines_match_the_gates_final_live_cache(seed):

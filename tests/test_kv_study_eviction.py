@@ -17,8 +17,10 @@ from stabilitylab.analysis.kv_study import (
     FIG2,
     FIG3,
     FIG4,
+    NOT_TIMED,
     PROBE_TABLES,
     merge_studies,
+    time_study,
     write_study,
 )
 from stabilitylab.cli import kv_study_main
@@ -36,6 +38,7 @@ from stabilitylab.eviction import (
     select_tau_index,
 )
 from stabilitylab.eviction.cells import StudyError, dense_backbone, load_cell, load_cells
+from stabilitylab.eviction.speed import DECODE_SPEED_COLUMNS, recorded_selections, spread
 from stabilitylab.eviction.study import run_study, study_inputs
 from stabilitylab.train import run
 from stabilitylab.train.resume import config_changes
@@ -84,6 +87,13 @@ def evicting(trained):
     cells = load_cells(run_dir, ["sig-rope", "sig-g-rope"], expect=cfg)
     inputs = study_inputs(cfg, cells, grid=EVICTING_GRID)
     return cells, inputs, run_study(cells, inputs)
+
+
+@pytest.fixture(scope="module")
+def untimed(evicting):
+    """The same study with timing off (what each process of the parallel study writes)."""
+    cells, inputs, _ = evicting
+    return run_study(cells, inputs, timing=False)
 
 
 def read(run_dir: Path, name: str) -> pd.DataFrame:
@@ -137,8 +147,96 @@ def test_the_tables_agree_with_each_other(trained):
             assert row["h2o_test_ppl"] == pytest.approx(row["backbone_test_ppl"], rel=1e-9)
             assert row["keydiff_test_ppl"] == pytest.approx(row["backbone_test_ppl"], rel=1e-9)
     speed = read(run_dir, "decode_speed")
+    assert list(speed.columns) == DECODE_SPEED_COLUMNS
     assert (speed[["dense_s", "tau_star_s", "dense_tokens_per_s"]] > 0).all().all()
     np.testing.assert_allclose(speed["live_kv_ratio"], 1 - speed["compression"], rtol=1e-9)
+    assert speed["measured_alone"].all() and (speed["repeats"] == 3).all()
+    assert list(speed["tau_star"]) == list(t2.set_index("cell").loc[speed["cell"], "tau_star"])
+
+
+# ---- decode speed -----------------------------------------------------------------------------
+
+
+def test_spread_is_the_median_min_and_max():
+    assert spread([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+    assert spread([4.0, 1.0]) == (2.5, 1.0, 4.0) and spread([0.5]) == (0.5, 0.5, 0.5)
+    with pytest.raises(ValueError, match="at least one"):
+        spread([])
+
+
+def test_repeated_timings_report_a_consistent_median_and_spread(evicting):
+    _, _, result = evicting
+    speed = result.decode_speed
+    assert list(speed["cell"]) == ["sig-g-rope"] and (speed["repeats"] == 3).all()
+    for col in ("dense_s", "tau_star_s"):
+        assert (speed[f"{col}_min"] <= speed[col]).all() and (speed[col] <= speed[f"{col}_max"]).all()  # fmt: skip
+    np.testing.assert_allclose(speed["speedup"], speed["dense_s"] / speed["tau_star_s"])
+    np.testing.assert_allclose(speed["dense_tokens_per_s"], speed["decode_tokens"] / speed["dense_s"])  # fmt: skip
+    assert speed["tau_star"].iloc[0] == result.table2["tau_star"].iloc[0]
+
+
+def test_an_untimed_study_has_an_empty_decode_speed_that_merges(trained, untimed, tmp_path):
+    _, run_dir, _ = trained
+    assert untimed.decode_speed.empty and list(untimed.decode_speed.columns) == DECODE_SPEED_COLUMNS
+    pair = write_study(untimed.tables(), tmp_path / "pair")["study.md"].parent
+    assert NOT_TIMED in (pair / "study.md").read_text()
+    rest = _study_without_sig_rope(run_dir, tmp_path / "rest")
+    paths = merge_studies([rest, pair], tmp_path / "merged")
+    speed = pd.read_csv(paths["decode_speed.csv"])
+    assert list(speed.columns) == DECODE_SPEED_COLUMNS
+    assert sorted(speed["cell"]) == ["sig-g-nope", "sm-g-nope", "sm-g-rope"]  # rest's rows only
+    alone = merge_studies([pair], tmp_path / "alone")
+    assert pd.read_csv(alone["decode_speed.csv"]).empty
+    assert NOT_TIMED in alone["study.md"].read_text()
+
+
+def test_timing_a_written_study_reads_tau_star_from_its_table2(trained, untimed, tmp_path):
+    """The parallel study's parent: tau* from the joined table2 (the rule checked again on
+    table5's validation sweep), timed alone, decode_speed and study.md rewritten."""
+    cfg, run_dir, _ = trained
+    study = write_study(untimed.tables(), tmp_path / "study", "Run X.")["study.md"].parent
+    other = tiny(run_dir.parent, *STUDY, "--study.timing_repeats=2")
+    paths = time_study(other, study, "cpu")
+    speed = pd.read_csv(paths["decode_speed.csv"])
+    t2 = pd.read_csv(study / "table2.csv")
+    assert list(speed["cell"]) == ["sig-g-rope"] and list(speed["tau_star"]) == list(t2["tau_star"])
+    assert speed["measured_alone"].all() and (speed["repeats"] == 2).all()
+    assert speed["compression"].iloc[0] == pytest.approx(t2["test_compression"].iloc[0])
+    md = paths["study.md"].read_text()
+    assert md.startswith("# KV-eviction study\n\nRun X.\n\ndecode_speed: timed after the study's")
+    section = md.split("\n## decode_speed\n")[1].split("\n## ")[0]
+    assert NOT_TIMED not in section and "measured_alone" in section
+    assert f"| sig-g-rope | {t2['tau_star'].iloc[0]:.4g} | cpu | True | 2 |" in section
+    assert pd.read_csv(paths["table5.csv"]).equals(pd.read_csv(study / "table5.csv"))
+
+
+def test_a_recorded_tau_star_the_rule_does_not_select_is_refused(untimed, tmp_path):
+    t2, t5 = untimed.table2.copy(), untimed.table5
+    decode = untimed.decode
+    assert recorded_selections(t2, t5, decode)["sig-g-rope"].tau == t2["tau_star"].iloc[0]
+    other = [t for t in EVICTING_GRID if t != t2["tau_star"].iloc[0]][0]
+    t2["tau_star"] = other
+    with pytest.raises(StudyError, match=f"table2 gives sig-g-rope tau\\* = {other}, but the rule"):
+        recorded_selections(t2, t5, decode, "joined")
+    with pytest.raises(StudyError, match=r"no column \['fingerprint'\]"):
+        recorded_selections(t2.drop(columns="fingerprint"), t5, decode)
+
+
+def test_timing_refuses_a_tau_star_selected_on_another_model(trained, untimed, tmp_path):
+    cfg, run_dir, _ = trained
+    study = write_study(untimed.tables(), tmp_path / "study")["study.md"].parent
+    t2 = pd.read_csv(study / "table2.csv")
+    t2["fingerprint"] = "0" * 16
+    t2.to_csv(study / "table2.csv", index=False)
+    with pytest.raises(StudyError, match="tau\\* of sig-g-rope was selected on another model"):
+        time_study(cfg, study, "cpu")
+    with pytest.raises(StudyError, match="scored 32 test tokens of sig-g-rope, .* give 16"):
+        time_study(tiny(run_dir.parent, *STUDY, "--study.test_windows=1"), study, "cpu")
+
+
+def test_a_bad_timing_repeats_is_refused_by_key(tmp_path):
+    with pytest.raises(C.ConfigError, match="config study.timing_repeats: must be >= 1"):
+        tiny(tmp_path, "--study.timing_repeats=0")
 
 
 # ---- a grid that evicts -----------------------------------------------------------------------
@@ -213,6 +311,19 @@ def test_a_gated_cell_without_its_backbone_gets_nan_baselines_and_a_note(evictin
     assert np.isfinite(row["test_ppl_tau_star"]) and result.decode_speed.empty
 
 
+def _study_without_sig_rope(run_dir: Path, dest: Path) -> Path:
+    """The trained study's tables without the sig-rope / sig-g-rope pair, under ``dest``."""
+    dest.mkdir()
+    for name in ("table1", "table2", "support_removal"):
+        t = read(run_dir, name)
+        keep = ~t["cell"].str.startswith("sig-") | t["cell"].str.endswith("nope")
+        t[keep].to_csv(dest / f"{name}.csv", index=False)
+    for name in ("table5", "decode_speed"):
+        t = read(run_dir, name)
+        t[t["cell"] != "sig-g-rope"].to_csv(dest / f"{name}.csv", index=False)
+    return dest
+
+
 def test_studies_of_disjoint_cells_merge_into_one(trained, evicting, tmp_path):
     _, run_dir, _ = trained
     _, _, result = evicting
@@ -220,16 +331,8 @@ def test_studies_of_disjoint_cells_merge_into_one(trained, evicting, tmp_path):
     whole = run_dir / "study"
     with pytest.raises(ValueError, match="sig-g-rope"):  # the same cell twice
         merge_studies([whole, pair["study.md"].parent], tmp_path / "twice")
-    for name in ("table1", "table2", "support_removal"):  # a study without the sig pair
-        t = read(run_dir, name)
-        (tmp_path / "rest").mkdir(exist_ok=True)
-        t[~t["cell"].str.startswith("sig-") | t["cell"].str.endswith("nope")].to_csv(
-            tmp_path / "rest" / f"{name}.csv", index=False
-        )
-    for name in ("table5", "decode_speed"):
-        t = read(run_dir, name)
-        t[t["cell"] != "sig-g-rope"].to_csv(tmp_path / "rest" / f"{name}.csv", index=False)
-    paths = merge_studies([tmp_path / "rest", tmp_path / "pair"], tmp_path / "merged")
+    rest = _study_without_sig_rope(run_dir, tmp_path / "rest")
+    paths = merge_studies([rest, tmp_path / "pair"], tmp_path / "merged")
     merged = pd.read_csv(paths["table1.csv"])
     assert sorted(merged["cell"]) == sorted(C.CELLS)
     assert len(pd.read_csv(paths["table2.csv"])) == 4
@@ -338,7 +441,10 @@ def test_missing_cells_and_bad_windows_are_named(trained, tmp_path):
 
 def test_the_study_keys_never_block_a_resume():
     saved = C.to_dict(C.kv_tiny())
-    current = C.to_dict(tiny("/unused", "--study.batch_size=3", "--study.probe_ps", "0.2"))
+    current = C.to_dict(
+        tiny("/unused", "--study.batch_size=3", "--study.probe_ps", "0.2",
+             "--study.timing=False", "--study.timing_repeats=5")
+    )  # fmt: skip
     assert config_changes(saved, current) == {}
 
 
@@ -367,13 +473,15 @@ def test_pairs_group_each_gated_cell_with_its_backbone():
     groups = cell_groups(["sig-g-rope", "sm-rope", "sig-rope", "sig-nope", "sm-g-rope"])
     assert groups == [["sig-rope", "sig-g-rope"], ["sm-rope", "sm-g-rope"], ["sig-nope"]]
     argv = child_argv(["--preset", "tiny", "--cells", "sm-rope"], ["a", "b"], Path("/o"))
-    assert argv[-5:] == ["--cells", "a", "b", "--study.parallel=False", "--study.out_dir=/o"]
+    assert argv[-6:] == [
+        "--cells", "a", "b", "--study.parallel=False", "--study.timing=False", "--study.out_dir=/o"
+    ]  # fmt: skip
 
 
 def test_the_parallel_study_runs_one_process_per_pair_and_joins_them(tmp_path):
     """Two pairs and a lone dense cell in three processes, joined into one study."""
     argv = ["--preset", "tiny", f"--out_dir={tmp_path}", "--train.steps=10", "--report=False",
-            "--telemetry.val_every=5", *STUDY, "--study.parallel=True",
+            "--telemetry.val_every=5", *STUDY, "--study.parallel=True", "--study.timing_repeats=2",
             "--cells", "sm-rope", "sm-g-rope", "sig-rope", "sig-g-rope", "sig-nope"]  # fmt: skip
     assert kv_study_main(argv) == 0
     run_dir = tmp_path / "kv_tiny"
@@ -383,4 +491,11 @@ def test_the_parallel_study_runs_one_process_per_pair_and_joins_them(tmp_path):
     t1 = pd.read_csv(run_dir / "study" / "table1.csv")
     assert sorted(t1["cell"]) == ["sig-g-rope", "sig-nope", "sig-rope", "sm-g-rope", "sm-rope"]
     assert sorted(pd.read_csv(run_dir / "study" / "table2.csv")["cell"]) == ["sig-g-rope", "sm-g-rope"]  # fmt: skip
-    assert "Merged from" in (run_dir / "study" / "study.md").read_text()
+    md = (run_dir / "study" / "study.md").read_text()
+    assert "Merged from" in md and "decode_speed: timed after the study's tables were written" in md
+    # The pairs' processes did not time; the parent timed every gated cell alone, after them.
+    for child in ("study-sm-rope", "study-sig-rope", "study-sig-nope"):
+        assert pd.read_csv(run_dir / child / "decode_speed.csv").empty, child
+    speed = pd.read_csv(run_dir / "study" / "decode_speed.csv")
+    assert sorted(speed["cell"]) == ["sig-g-rope", "sm-g-rope"]
+    assert speed["measured_alone"].all() and (speed["repeats"] == 2).all()

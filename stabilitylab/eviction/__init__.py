@@ -17,7 +17,9 @@
 
 Modules: ``cache`` (one layer's cache, physical removal), ``policies`` (which entries go),
 ``decode`` (prefill + teacher-forced decode through the model's weights), ``protocol``
-(decode-window PPL, compression, sweep, selection, matched budgets).
+(decode-window PPL, compression, sweep, selection, matched budgets), ``cells`` (trained cells
+loaded back), ``study`` (the study's tables), ``speed`` (decode wall-clock at tau* vs tau = 0),
+``pairs`` (the study in one process per dense / gated pair).
 """
 
 from stabilitylab.eviction.cache import LayerCache
@@ -30,6 +32,7 @@ from stabilitylab.eviction.protocol import (
     DecodeSplit,
     EvalResult,
     EvalSet,
+    RecordedSelection,
     Selection,
     Split,
     Sweep,
@@ -56,6 +59,7 @@ __all__ = [
     "KeyDiff",
     "LayerCache",
     "NoEviction",
+    "RecordedSelection",
     "Selection",
     "Split",
     "Sweep",

@@ -4,11 +4,15 @@
         --preset reduced --study.parallel=True
 
 Each pair (``sm-rope`` with ``sm-g-rope``, ...; a cell whose partner is not asked for goes alone)
-runs the same command with ``--cells <pair> --study.parallel=False --study.out_dir=<run
-dir>/study-<first cell>``, its output in ``<run dir>/study-<first cell>.log``; the children
-inherit the launcher's environment (mixed precision, the visible GPU). When every child has
-finished, their studies are joined into ``study.out_dir`` (default ``<run dir>/study``) by
-``analysis.kv_study.merge_studies``. A child that fails is named with its exit code and log.
+runs the same command with ``--cells <pair> --study.parallel=False --study.timing=False
+--study.out_dir=<run dir>/study-<first cell>``, its output in ``<run dir>/study-<first cell>.log``; the children
+inherit the launcher's environment (mixed precision, the visible GPU). The children do not time
+the decode (``--study.timing=False``): each would time while the others train or evaluate on the
+same GPU. When every child has finished, their studies are joined into ``study.out_dir`` (default
+``<run dir>/study``) by ``analysis.kv_study.merge_studies``; then this process, alone on the GPU,
+times each gated cell at the tau* of the joined table2 (``analysis.kv_study.time_study``;
+``study.timing_repeats`` alternating runs) and rewrites decode_speed and study.md. A child that
+fails is named with its exit code and log.
 """
 
 from __future__ import annotations
@@ -35,15 +39,19 @@ def cell_groups(cells: Sequence[str]) -> list[list[str]]:
 
 
 def child_argv(argv: Sequence[str], group: Sequence[str], out_dir: Path) -> list[str]:
-    """This command's arguments for one group: its cells, its own study folder, not parallel
-    (later flags override earlier ones)."""
-    return [*argv, "--cells", *group, "--study.parallel=False", f"--study.out_dir={out_dir}"]
+    """This command's arguments for one group: its cells, its own study folder, not parallel,
+    no timing (the parent times alone after every child; later flags override earlier ones)."""
+    return [
+        *argv, "--cells", *group, "--study.parallel=False", "--study.timing=False",
+        f"--study.out_dir={out_dir}",
+    ]  # fmt: skip
 
 
 def run_pairs(argv: Sequence[str], cfg) -> tuple[int, Path | None]:
-    """Every group's process at once; ``(exit code, joined study.md or None)``. The code is the
-    first failing child's (0 when all ran)."""
-    from stabilitylab.analysis.kv_study import merge_studies
+    """Every group's process at once, their studies joined, then the decode timed here alone
+    (with ``study.timing``); ``(exit code, joined study.md or None)``. The code is the first
+    failing child's (0 when all ran)."""
+    from stabilitylab.analysis.kv_study import merge_studies, time_study
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError(
@@ -68,7 +76,9 @@ def run_pairs(argv: Sequence[str], cfg) -> tuple[int, Path | None]:
     if failed:
         print("\n".join(msg for _, msg in failed), file=sys.stderr)
         return failed[0][0], None
-    paths = merge_studies(
-        [out for _, out, _, _ in children], cfg.study.out_dir or run_dir / "study"
-    )
+    joined = Path(cfg.study.out_dir or run_dir / "study")
+    paths = merge_studies([out for _, out, _, _ in children], joined)
+    if cfg.study.timing:
+        print(f"every pair ended; timing the decode alone, into {joined}", flush=True)
+        paths = time_study(cfg, joined)
     return 0, paths["study.md"]

@@ -20,7 +20,10 @@ Selection (the paper's rule): sweep ``TAU_GRID`` (15 points, below) on the valid
 (ties: the smaller tau). The guard against selecting on test is structural: ``sweep_tau`` runs
 on a ``Split.VAL`` set only, a ``Selection`` derives tau* itself from a validation ``Sweep``,
 a gate threshold other than 0 runs on ``Split.TEST`` only through ``evaluate_selected``, which
-takes a ``Selection`` (no tau argument) made from the same model.
+takes a ``Selection`` (no tau argument) made from the same model. A test run in another process
+than the sweep's (the parallel study times decode speed after its children wrote the tables)
+takes a ``RecordedSelection``: the rule applied again to the validation rows the sweep left in a
+table, bound to the swept model by its fingerprint.
 
 Baselines: H2O and KeyDiff run on a dense backbone through the same decode loop, with a budget
 matched per window and per layer to the gated model's final live cache at tau*: the gate keeps
@@ -337,24 +340,58 @@ class Selection:
     def val_result(self) -> EvalResult:
         return self.sweep.results[self.sweep.taus.index(self.tau)]
 
+    @property
+    def decode(self) -> DecodeSplit:
+        return self.val_result.decode
+
+
+@dataclass(frozen=True)
+class RecordedSelection:
+    """tau* of one model re-derived from its validation sweep as recorded in a table (tau, PPL,
+    compression per grid point: a study's table5 rows), for a test run in another process. The
+    constructor applies the rule itself, so the recorded numbers can only be validation ones and
+    tau* is never a free argument; ``fingerprint`` (``model_fingerprint`` of the swept model)
+    binds it to that model, ``decode`` is the sweep's split."""
+
+    fingerprint: str
+    decode: DecodeSplit
+    taus: tuple[float, ...]
+    ppl: tuple[float, ...]
+    compression: tuple[float, ...]
+    max_delta: float = MAX_DELTA_PPL
+    tau: float = field(init=False)
+
+    def __post_init__(self):
+        taus = check_grid(self.taus)
+        if taus != tuple(float(t) for t in self.taus):
+            raise ValueError(f"the recorded sweep's taus must be sorted, got {self.taus}")
+        if not len(self.taus) == len(self.ppl) == len(self.compression):
+            raise ValueError(
+                f"the recorded sweep has {len(self.taus)} taus, {len(self.ppl)} PPLs and "
+                f"{len(self.compression)} compressions"
+            )
+        i = select_tau_index(list(taus), list(self.ppl), list(self.compression), self.max_delta)
+        object.__setattr__(self, "tau", taus[i])
+
 
 def select_tau(sweep: Sweep, max_delta: float = MAX_DELTA_PPL) -> Selection:
     return Selection(sweep, max_delta)
 
 
 def evaluate_selected(
-    model: Transformer, test_set: EvalSet, selection: Selection, **kwargs
+    model: Transformer, test_set: EvalSet, selection: Selection | RecordedSelection, **kwargs
 ) -> EvalResult:
     """The gated model on test at its frozen tau*, with the validation sweep's decode split."""
-    if not isinstance(selection, Selection):
+    if not isinstance(selection, (Selection, RecordedSelection)):
         raise ValueError(
-            f"evaluate_selected needs a Selection from select_tau, got {type(selection)}"
+            "evaluate_selected needs a Selection from select_tau (or a RecordedSelection of a "
+            f"recorded validation sweep), got {type(selection)}"
         )
     if test_set.split is not Split.TEST:
         raise ValueError(f"evaluate_selected runs on the test split, got {test_set.split.value}")
     if model_fingerprint(model) != selection.fingerprint:
         raise ValueError("this tau* was selected on another model (fingerprints differ)")
-    decode = selection.val_result.decode
+    decode = selection.decode
     indices = _window_indices(test_set, decode, kwargs.pop("max_windows", None))
     policy = GateThreshold(selection.tau)
     return _evaluate(model, test_set, policy, decode, None, indices, **_loop_kwargs(kwargs))

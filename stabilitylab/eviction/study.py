@@ -13,21 +13,20 @@
   only through ``evaluate_selected``): compression on val and test, test PPL, its dense backbone's
   test PPL (``sig-g-rope`` -> ``sig-rope``), and H2O / KeyDiff on that backbone at the budget
   matched per window and layer to the gated model's final live cache. A missing backbone leaves
-  its columns NaN with a note.
-- ``decode_speed``: wall-clock of the test evaluation at tau* against the same model at tau = 0
-  (synchronised on CUDA), decoded tokens per second, and the final live K/V bytes. The time
-  covers the whole evaluation (prefill included) in the lab's eager decode loop, one layer at a
-  time; it is a measurement to report, never a claim the tests check.
+  its columns NaN with a note. ``fingerprint`` names the swept model, so a later process can run
+  the recorded tau* on that model only (``speed.recorded_selections``).
+- ``decode_speed``: wall-clock of the test evaluation at tau* against the same model at tau = 0,
+  median (min, max) of ``repeats`` alternating runs, decoded tokens per second, and the final
+  live K/V bytes (``speed.py``); empty with ``timing=False`` (the parallel study's per-pair
+  processes, whose parent times alone after them).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import pandas as pd
-import torch
 
 from stabilitylab.config import Config, cell_settings
 from stabilitylab.eviction.cells import (
@@ -37,7 +36,7 @@ from stabilitylab.eviction.cells import (
     dense_backbone,
     eval_set,
 )
-from stabilitylab.eviction.policies import H2O, GateThreshold, KeyDiff, NoEviction
+from stabilitylab.eviction.policies import H2O, KeyDiff, NoEviction
 from stabilitylab.eviction.protocol import (
     TAU_GRID,
     DecodeSplit,
@@ -54,6 +53,7 @@ from stabilitylab.eviction.protocol import (
     select_tau,
     sweep_tau,
 )
+from stabilitylab.eviction.speed import DECODE_SPEED_COLUMNS, decode_speed
 from stabilitylab.train.task import open_text
 
 
@@ -157,68 +157,6 @@ def gated_outcome(cell: TrainedCell, cells: dict[str, TrainedCell], inputs: Stud
     return out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn, device: torch.device) -> tuple[EvalResult, float]:
-    _sync(device)
-    t0 = time.perf_counter()
-    result = fn()
-    _sync(device)
-    return result, time.perf_counter() - t0
-
-
-def decode_speed(
-    cells: dict[str, TrainedCell], gated: dict[str, GatedOutcome], inputs: StudyInputs
-) -> pd.DataFrame:
-    """Each gated model on test at tau = 0 and at tau*, timed (after the table's runs, which
-    warmed both paths up). Bytes: live K/V per window at the end, summed over layers."""
-    rows = []
-    for name, g in gated.items():
-        model = cells[name].model
-        device = next(model.parameters()).device
-        dense, dense_s = _timed(
-            lambda m=model: evaluate(
-                m, inputs.test, GateThreshold(0.0), inputs.decode, **inputs.test_kwargs()
-            ),
-            device,
-        )
-        evicted, evicted_s = _timed(
-            lambda m=model, s=g.selection: evaluate_selected(
-                m, inputs.test, s, **inputs.test_kwargs()
-            ),
-            device,
-        )
-        dense_bytes, evicted_bytes = dense.live_kv_bytes_L.sum(), evicted.live_kv_bytes_L.sum()
-        rows.append(
-            {
-                "cell": name, "tau_star": g.selection.tau, "device": str(device),
-                "batch_size": inputs.batch_size, "n_windows": len(dense.window_indices),
-                "decode_tokens": dense.n_targets,
-                "dense_s": dense_s, "tau_star_s": evicted_s,
-                "dense_tokens_per_s": dense.n_targets / dense_s,
-                "tau_star_tokens_per_s": evicted.n_targets / evicted_s,
-                "speedup": dense_s / evicted_s,
-                "dense_live_kv_bytes": float(dense_bytes),
-                "tau_star_live_kv_bytes": float(evicted_bytes),
-                "live_kv_ratio": float(evicted_bytes / dense_bytes),
-                "keys_read_ratio": float(evicted.keys_read_NL.sum() / dense.keys_read_NL.sum()),
-                "compression": evicted.compression,
-            }
-        )  # fmt: skip
-    return pd.DataFrame(rows, columns=DECODE_SPEED_COLUMNS)
-
-
-DECODE_SPEED_COLUMNS = [
-    "cell", "tau_star", "device", "batch_size", "n_windows", "decode_tokens", "dense_s",
-    "tau_star_s", "dense_tokens_per_s", "tau_star_tokens_per_s", "speedup",
-    "dense_live_kv_bytes", "tau_star_live_kv_bytes", "live_kv_ratio", "keys_read_ratio",
-    "compression",
-]  # fmt: skip
-
-
 # ---- tables -----------------------------------------------------------------------------------
 
 
@@ -284,6 +222,7 @@ def table2(gated: dict[str, GatedOutcome], dense: dict[str, EvalResult]) -> pd.D
             row[f"{key}_delta_ppl"] = (r.ppl - base) if r is not None else math.nan
             row[f"{key}_compression"] = r.compression if r is not None else math.nan
         row["note"] = g.note
+        row["fingerprint"] = g.selection.fingerprint  # binds tau* to the swept model
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -312,13 +251,22 @@ class StudyResult:
 
 
 def run_study(
-    cells: dict[str, TrainedCell], inputs: StudyInputs, *, timing: bool = True
+    cells: dict[str, TrainedCell],
+    inputs: StudyInputs,
+    *,
+    timing: bool = True,
+    repeats: int = 3,
+    alone: bool = True,
 ) -> StudyResult:
-    """Every table of the eviction side over ``cells`` (``timing=False`` skips decode_speed's
-    second pair of test runs)."""
+    """Every table of the eviction side over ``cells``. ``timing=False`` leaves decode_speed
+    empty (no timed runs); ``repeats`` timed runs per gated cell; ``alone``: no other process of
+    the study shares the device (decode_speed's ``measured_alone``)."""
     dense = dense_tests(cells, inputs)
     gated = {n: gated_outcome(c, cells, inputs) for n, c in cells.items() if c.gated}
-    speed = decode_speed(cells, gated, inputs) if timing else pd.DataFrame(columns=DECODE_SPEED_COLUMNS)  # fmt: skip
+    speed = pd.DataFrame(columns=DECODE_SPEED_COLUMNS)
+    if timing:
+        selections = {n: g.selection for n, g in gated.items()}
+        speed = decode_speed(cells, selections, inputs, repeats=repeats, alone=alone)
     return StudyResult(
         table1=table1(cells, dense), table2=table2(gated, dense), table5=table5(gated),
         decode_speed=speed, dense=dense, gated=gated, decode=inputs.decode,
