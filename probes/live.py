@@ -15,7 +15,8 @@ What a measurement does, and why it cannot change the training trajectory:
 - the start vector comes from the probe's own generator, never the global CPU/CUDA RNG;
 - fused kernels are not twice differentiable (the JVP is a VJP of a VJP), so during the
   measurement the layer runs the same maths through a differentiable path (SDPA's math kernel for softmax, the PyTorch reference for
-  sigmoid); the layer's backend, max-logit flags, train/eval mode are restored in ``finally``.
+  sigmoid), and the q/k/v split through plain views (not the one-pass gradient of
+  ``train.fast``); the layer's backend, flags, train/eval mode are restored in ``finally``.
 
 Limit: the window is the first ``tokens`` positions treated as a sequence of that length, so for
 sigmoid attention the bias is ``-log(window)``, not ``-log(full length)``; values are comparable
@@ -131,14 +132,18 @@ class JacobianProbe:
             raise ValueError(
                 f"no differentiable path for attention backends {sorted(set(unknown))}"
             )
-        saved = [(a.backend, a.record_max_logit, a.max_logit_BH) for a in layers]
+        saved = [
+            (a.backend, a.record_max_logit, a.max_logit_BH, a.one_pass_qkv_grad) for a in layers
+        ]
         was_training = model.training
         gen = torch.Generator().manual_seed(self.seed)
         sigmas: dict[int, float] = {}
         try:
             model.eval()
             for a in layers:
-                a.record_max_logit = False
+                # The one-pass q/k/v gradient (train.fast) is an autograd.Function without the
+                # setup_context torch.func needs; the plain views are the same values.
+                a.record_max_logit, a.one_pass_qkv_grad = False, False
             xs = self._capture_inputs(model, tokens_ST, lengths_S)
             for a in layers:
                 a.backend = get_backend(_DIFFERENTIABLE_BACKEND[a.backend_name])
@@ -158,7 +163,8 @@ class JacobianProbe:
                         best = max(best, est.sigma)
                     sigmas[i] = best
         finally:
-            for a, (backend, record, max_logit) in zip(layers, saved, strict=True):
+            for a, (backend, record, max_logit, one_pass) in zip(layers, saved, strict=True):
                 a.backend, a.record_max_logit, a.max_logit_BH = backend, record, max_logit
+                a.one_pass_qkv_grad = one_pass
             model.train(was_training)
         return sigmas

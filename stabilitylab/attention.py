@@ -113,25 +113,32 @@ def _zero_padded_rows(out_BHTD: torch.Tensor, lengths_B: torch.Tensor) -> torch.
 # ---- softmax: SDPA ----------------------------------------------------------------------------
 
 
-# Whether the batch a compiled model is running has no padding, set by ``compiled_lengths_hint``.
+# Whether the batch a compiled model is running has no padding, set by ``unpadded_hint``.
 # A traced function cannot read the lengths on the host; torch.compile reads this global as a
 # constant and guards on it (one graph per value).
 _UNPADDED_UNDER_COMPILE = False
 
 
 @contextlib.contextmanager
-def compiled_lengths_hint(lengths_B: torch.Tensor, T: int):
+def unpadded_hint(unpadded: bool):
     """Around a compiled model's forward: tell the traced ``softmax`` backend whether no row of
-    ``lengths_B`` is padded, read here, eagerly (``lengths_all_full``: one sync per new lengths
-    tensor, as in eager). Without it a compiled ``softmax`` model always passes SDPA a mask
-    (right for any lengths, but SDPA's flash and cuDNN kernels take none). No effect in eager."""
+    the batch is padded (every length equals T), known to the caller without a device read (the
+    trainer has the lengths on the host). Without it a compiled ``softmax`` model always passes
+    SDPA a mask (right for any lengths, but SDPA's flash and cuDNN kernels take none). A wrong
+    True drops the padding mask: only say it when it holds. No effect in eager."""
     global _UNPADDED_UNDER_COMPILE
     before = _UNPADDED_UNDER_COMPILE
-    _UNPADDED_UNDER_COMPILE = lengths_all_full(lengths_B, T)
+    _UNPADDED_UNDER_COMPILE = bool(unpadded)
     try:
         yield
     finally:
         _UNPADDED_UNDER_COMPILE = before
+
+
+def compiled_lengths_hint(lengths_B: torch.Tensor, T: int):
+    """``unpadded_hint`` read from ``lengths_B``, eagerly (``lengths_all_full``: one sync per new
+    lengths tensor, as in eager)."""
+    return unpadded_hint(lengths_all_full(lengths_B, T))
 
 
 def _unpadded(lengths_B: torch.Tensor, T: int) -> bool:

@@ -307,7 +307,14 @@ class TrainConfig:
     checkpoint_every: int = 1000
     """Steps between checkpoints (0 = only at the end and on SIGTERM/SIGINT)."""
     compile: bool = False
-    """torch.compile the model (Module.compile); the kernels are opaque custom ops in the graph."""
+    """torch.compile the model (Module.compile); the kernels are opaque custom ops in the graph.
+    train.fast does this and more; the two are not combined."""
+    fast: bool = False
+    """The fast step (stabilitylab.train.fast): the model compiled with fullgraph=True (a graph
+    break falls back, its reason printed), the loss through the chunked cross-entropy (no full
+    logits), the one-pass q/k/v gradient. The same function as the eager step, rounded
+    differently (and dropout drawn by inductor's RNG). On by default in the GPU presets but
+    diverge_fast; --train.fast=False turns it off. A resumed run may switch it."""
     peak_tflops: float | None = None
     """Peak dense bf16 TFLOPS for MFU; None = from the GPU name (H100/H200: 989)."""
     budget_lambda: float = 0.03
@@ -350,10 +357,20 @@ class TrainConfig:
             "must be > 0 or None",
         )
         _check(self.budget_lambda >= 0, "train.budget_lambda", "must be >= 0")
+        for key in ("deterministic", "fast", "compile"):
+            value = getattr(self, key)
+            _check(isinstance(value, bool), f"train.{key}", f"must be True or False, got {value!r}")
         _check(
-            isinstance(self.deterministic, bool),
-            "train.deterministic",
-            f"must be True or False, got {self.deterministic!r}",
+            not (self.fast and self.compile),
+            "train.compile",
+            "train.fast already compiles the model (fullgraph, with a fallback); leave "
+            "train.compile False, or set --train.fast=False to compile alone",
+        )
+        _check(
+            not (self.fast and self.deterministic),
+            "train.fast",
+            "the compiled step's kernels (inductor's) are not checked to repeat bit for bit, and "
+            "train.deterministic is on; set --train.fast=False with --train.deterministic=True",
         )
 
     @property

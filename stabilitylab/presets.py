@@ -25,8 +25,12 @@ from stabilitylab.config import (
 
 
 def stress_8k() -> Config:
-    """The paper's stress test (section 5.3, A.2): 160M encoder, 8K context, no clipping."""
-    return Config(preset="stress_8k", name="stress_8k")
+    """The paper's stress test (section 5.3, A.2): 160M encoder, 8K context, no clipping.
+
+    The fast step (train.fast, stabilitylab.train.fast) is on, as in every GPU preset but
+    diverge_fast; --train.fast=False runs the eager step.
+    """
+    return Config(preset="stress_8k", name="stress_8k", train=TrainConfig(fast=True))
 
 
 def smoke() -> Config:
@@ -76,6 +80,7 @@ def proxy() -> Config:
             lr=1e-3,
             warmup_steps=100,
             checkpoint_every=500,
+            fast=True,
         ),
         telemetry=TelemetryConfig(log_every=5, layer_every=25, logit_every=25),
     )
@@ -86,7 +91,8 @@ def proxy_hot() -> Config:
 
     Measured on one H200 (--train.seed=1, sigmoid-reference, 1,000 steps): the *sigmoid* arm's
     loss went from ~8 to 100-450 after step ~470 with a ~300x grad-norm jump; the softmax arm
-    stayed near 7.3.
+    stayed near 7.3. That was the eager step; the proxy's fast step (on here too) rounds
+    differently, so a chaotic blow-up may come at another step (--train.fast=False repeats it).
     """
     cfg = proxy()
     cfg.preset, cfg.name = "proxy_hot", "proxy_hot"
@@ -106,10 +112,14 @@ def diverge_fast() -> Config:
     (docs/RESULTS.md, section 3). Eager, on the H200: seed 1 -> softmax diverges at step 665 in 3
     of 3 runs (bit-identical curves); seed 3 at 281; seed 2 runs its 1,000 steps. Sigmoid (seeds 1-3) ran all 1,000
     steps without the divergence rule firing; seed 3's loss blew up (``loss_blowup``).
+
+    The fast step is off (train.fast=False): those steps were measured on the eager step, whose
+    bits decide them, and inductor's kernels are not checked to repeat bit for bit.
     """
     cfg = proxy()
     cfg.preset, cfg.name = "diverge_fast", "diverge_fast"
     cfg.sigmoid_backend, cfg.softmax_backend = "sigmoid-reference", "softmax-reference"
+    cfg.train.fast = False
     m = cfg.model
     m.n_layers, m.d_model, m.n_heads, m.d_ff = 8, 512, 8, 2048
     cfg.train.lr, cfg.train.weight_decay, cfg.train.seed = 0.1, 0.0, 1
@@ -134,6 +144,12 @@ def _kv_model(**shape) -> ModelConfig:
     return ModelConfig(
         **shape, dropout=0.0, causal=True, qk_norm="rmsnorm", position="rope", gates=False
     )
+
+
+# The KV presets keep the eager step (train.fast=False): the fast step was not yet run on the GPU
+# through a gated decoder (the key-bias float mask under SDPA, the budget term through compiled
+# gates), and the reduced study's four processes per GPU would each compile every cell.
+# --train.fast=True turns it on; a trained cell resumes either way.
 
 
 def _adamw(**schedule) -> TrainConfig:

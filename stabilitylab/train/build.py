@@ -18,6 +18,7 @@ import torch
 from stabilitylab.config import Config, ConfigError
 from stabilitylab.model import Transformer
 from stabilitylab.telemetry import trackers_for
+from stabilitylab.train.fast import FastForward
 
 SUPPORTED_PRECISION = ("no", "bf16")  # fp16 would need a loss scaler the step does not run
 
@@ -130,6 +131,9 @@ class Trainee:
     """``Config.task``: mlm (masked cells) or lm (next tokens, with the budget term when gated)."""
     budget_lambda: float = 0.0
     """``train.budget_lambda``: weight of the mean gate in the loss (gated models)."""
+    fast: FastForward | None = None
+    """``train.fast``: the compiled forward the step calls (``stabilitylab.train.fast``); None =
+    the eager step. ``raw`` stays the plain module, which validation and the probes call."""
 
     @property
     def world(self) -> int:
@@ -137,11 +141,23 @@ class Trainee:
 
 
 def prepare(cfg: Config, accelerator, model: torch.nn.Module, accum: int) -> Trainee:
+    """The arm's Trainee. ``train.fast``: the one-pass q/k/v gradient on, and the prepared model
+    wrapped by ``torch.compile`` for the step's forward (``FastForward``); ``model`` itself
+    stays eager."""
     optimizer = make_optimizer(cfg, model)
     if cfg.train.compile:
         model.compile()  # in place: DDP wraps it as usual and the hooks see the same modules
+    if cfg.train.fast:
+        model.set_one_pass_qkv_grad(True)
     model, optimizer = accelerator.prepare(model, optimizer)
     raw = accelerator.unwrap_model(model)
+    fast = None
+    if cfg.train.fast:
+        fast = FastForward(model, say=accelerator.print)
+        accelerator.print(
+            "fast path: torch.compile (fullgraph, dynamic sequence length), chunked "
+            "cross-entropy, one-pass q/k/v gradient (--train.fast=False: the eager step)"
+        )
     return Trainee(
         accelerator=accelerator,
         model=model,
@@ -152,4 +168,5 @@ def prepare(cfg: Config, accelerator, model: torch.nn.Module, accum: int) -> Tra
         accum=accum,
         task=cfg.task,
         budget_lambda=cfg.train.budget_lambda,
+        fast=fast,
     )

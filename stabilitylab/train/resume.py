@@ -24,7 +24,9 @@ from stabilitylab.train import checkpoint
 
 # Keys a resumed arm may change: they do not change what it trains (the arm's own backend is
 # compared as the resolved ``backend`` key, a cell's settings as its model keys; ``cells`` only
-# picks which cells run; ``train.steps`` is how a run is extended).
+# picks which cells run; ``train.steps`` is how a run is extended; ``train.fast`` computes the
+# same step, rounded differently, so a run started before it existed, or with it off, resumes
+# under the presets' default, and the other way round).
 FREE_KEYS = (
     "preset",
     "cells",
@@ -40,6 +42,7 @@ FREE_KEYS = (
     "train.steps",
     "train.checkpoint_every",
     "train.peak_tflops",
+    "train.fast",
 )
 FREE_PREFIXES = ("telemetry.", "study.")  # what is logged; how the trained cells are evaluated
 

@@ -8,9 +8,14 @@ follow the same curve. A gated model (the KV-eviction study) adds the budget ter
 global batch: each micro-batch's ``gate_mean`` times its valid positions, scaled by ``world /
 n_valid``. ``train/loss`` is the sum of the two terms; both are returned apart too.
 
-Nothing in :func:`train_step` waits for the device. The update is skipped on the device when the
-loss or a gradient is not finite (AdamW's ``found_inf``, as GradScaler uses it), so the host reads
-the step's numbers once, in :func:`read_numbers`, after the update is queued.
+Nothing in :func:`train_step` waits for the device (but the fast path's chunked loss, which
+reads the number of labelled rows once per micro-batch). The update is skipped on the device when
+the loss or a gradient is not finite (AdamW's ``found_inf``, as GradScaler uses it), so the host
+reads the step's numbers once, in :func:`read_numbers`, after the update is queued.
+
+``train.fast`` (``Trainee.fast``): the forward through the compiled model and the loss through the
+chunked cross-entropy (:func:`summed_ce`, ``stabilitylab.train.fast``); everything else here is
+the same code for both steps. Validation runs the plain module eagerly.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from stabilitylab.model import budget_loss, masked_lm_loss_sum, next_token_loss_
 from stabilitylab.probes.gates import GateSums, gate_stats, gate_sums
 from stabilitylab.telemetry import StepTelemetry, global_grad_norm
 from stabilitylab.train.build import Trainee
+from stabilitylab.train.fast import summed_ce_fast
 
 
 @dataclass
@@ -66,14 +72,24 @@ class StepNumbers:
         return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
 
 
+def summed_ce(t: Trainee, data: StepBatch, i: int) -> torch.Tensor:
+    """Summed cross-entropy of micro-batch ``i`` over its labelled positions (masked cells or
+    next-token targets: one function), float32; the fast path's when ``t.fast`` is set."""
+    b = data.micro[i]
+    if t.fast is None:
+        return masked_lm_loss_sum(t.model(b.tokens_BT, b.lengths_B), b.labels_BT)
+    B = b.tokens_BT.shape[0]
+    host_lengths = data.lengths[i * B : (i + 1) * B]
+    return summed_ce_fast(t.fast, t.raw, b, host_lengths, t.accelerator.autocast)
+
+
 def _loss_and_backward(t: Trainee, data: StepBatch, n_masked: torch.Tensor, tel: StepTelemetry):
     """Summed masked-token loss of this process's micro-batches; gradients accumulated."""
     loss_sum = torch.zeros((), device=n_masked.device)
-    for i, b in enumerate(data.micro):
+    for i, _ in enumerate(data.micro):
         last = i == len(data.micro) - 1
         with contextlib.nullcontext() if last else t.accelerator.no_sync(t.model):
-            logits_BTV = t.model(b.tokens_BT, b.lengths_B)
-            part = masked_lm_loss_sum(logits_BTV, b.labels_BT)
+            part = summed_ce(t, data, i)
             t.accelerator.backward(part * (t.world / n_masked))
         loss_sum += part.detach()
         if tel.logit.due(data.step):
@@ -100,8 +116,7 @@ def _lm_loss_and_backward(t: Trainee, data: StepBatch, counts_2: torch.Tensor, t
     for i, b in enumerate(data.micro):
         last = i == len(data.micro) - 1
         with contextlib.nullcontext() if last else t.accelerator.no_sync(t.model):
-            logits_BTV = t.model(b.tokens_BT, b.lengths_B)
-            ce = next_token_loss_sum(logits_BTV, b.labels_BT)
+            ce = summed_ce(t, data, i)
             loss = ce * (t.world / counts_2[0])
             budget = torch.zeros((), device=counts_2.device)
             gates = t.raw.gates

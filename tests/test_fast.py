@@ -1,0 +1,176 @@
+"""The fast step (train.fast) on CPU: the eager step's loss curve, every telemetry tag, divergence
+still recorded; graph breaks fall back; jagged lengths share one graph; the presets' defaults,
+the refused combinations and resumes across the flag. torch.compile runs with the aot_eager
+backend here (dynamo and AOT autograd trace as for inductor, no C++ is generated: CI has 2
+cores and no promise of a C compiler)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from stabilitylab import attention
+from stabilitylab import config as C
+from stabilitylab.analysis.curves import curve_gap
+from stabilitylab.analysis.events import load_runs
+from stabilitylab.attention import register, sigmoid_reference
+from stabilitylab.data.batch import Batch
+from stabilitylab.model import Transformer
+from stabilitylab.presets import CPU_PRESETS, PRESETS
+from stabilitylab.train import fast, run
+from stabilitylab.train.checkpoint import read_state
+from stabilitylab.train.resume import config_changes
+from tests.tiny_runs import arm_dir, tiny
+
+
+@pytest.fixture(autouse=True)
+def aot_eager(monkeypatch):
+    monkeypatch.setattr(fast, "COMPILE_BACKEND", "aot_eager")
+
+
+def _train(out, step_kind: str, *overrides):
+    cfg = tiny(
+        out, "--arm=sigmoid", "--train.steps=6", f"--train.fast={step_kind == 'fast'}",
+        "--telemetry.logit_every=2", "--telemetry.layer_every=3", "--telemetry.probe_every=3",
+        "--telemetry.probe_tokens=16", *overrides,
+    )  # fmt: skip
+    return run(cfg)
+
+
+@pytest.fixture(scope="module")
+def eager_and_fast(tmp_path_factory):
+    """One tiny sigmoid arm of each step, every monitor on (the smoke preset has dropout 0). The
+    softmax arm's compiled forward is checked below (test_jagged_lengths_share_one_graph): its
+    four graphs (padding hint x max-logit flag) would double this fixture's compile time."""
+    mp = pytest.MonkeyPatch()
+    mp.setattr(fast, "COMPILE_BACKEND", "aot_eager")
+    torch.set_num_threads(1)
+    try:
+        out = {k: tmp_path_factory.mktemp(k) for k in ("eager", "fast")}
+        summaries = {k: _train(out[k], k) for k in out}
+    finally:
+        mp.undo()
+    return out, summaries
+
+
+def _history(out, arm: str) -> dict:
+    return read_state(out / "smoke" / arm / "checkpoints" / "last")["history"]
+
+
+def test_fast_step_follows_the_eager_loss_curve(eager_and_fast):
+    out, summaries = eager_and_fast
+    for arm in ("sigmoid",):
+        assert summaries["fast"][arm]["status"] == "stable"
+        eager, quick = _history(out["eager"], arm), _history(out["fast"], arm)
+        assert len(quick["loss"]) == 6
+        gap = curve_gap(eager["loss"], quick["loss"])
+        assert gap["max_abs"] < 1e-4 * abs(gap["final_reference"]), (arm, gap)
+        torch.testing.assert_close(quick["grad_norm"], eager["grad_norm"], rtol=1e-4, atol=1e-6)
+        assert quick["max_logit"] == pytest.approx(eager["max_logit"], rel=1e-4)
+
+
+def test_fast_step_logs_every_tag_the_eager_step_logs(eager_and_fast):
+    out, _ = eager_and_fast
+    for arm in ("sigmoid",):
+        tags = {k: load_runs([out[k] / "smoke" / arm]) for k in out}
+        assert set(tags["fast"].tag) == set(tags["eager"].tag), arm
+        for tag in ("attn/max_logit", "update_ratio/layer_1", "train/grad_norm"):
+            assert tag in set(tags["fast"].tag), (arm, tag)
+        probe = tags["fast"][tags["fast"].tag.str.startswith("probe/jacobian")]
+        assert set(probe.step) == {0, 3} and probe.value.map(math.isfinite).all()
+
+
+def test_a_diverging_run_is_recorded_as_diverged_under_fast(tmp_path):
+    cfg = tiny(
+        tmp_path, "--train.steps=6", "--train.fast=True", "--train.lr=300",
+        "--train.warmup_steps=0", "--model.init_scale=3",
+    )  # fmt: skip
+    s = run(cfg)["sigmoid"]
+    assert s["status"] == "diverged" and s["divergence_step"] is not None
+    summary = json.loads((arm_dir(tmp_path) / "summary.json").read_text())
+    assert summary["status"] == "diverged"
+
+
+@pytest.fixture
+def breaking_backend():
+    """A registered backend with a graph break in it, removed after the test."""
+
+    def backend(*args, **kwargs):
+        torch._dynamo.graph_break()
+        return sigmoid_reference(*args, **kwargs)
+
+    register("test-graph-break")(backend)
+    yield "test-graph-break"
+    attention._BACKENDS.pop("test-graph-break")
+
+
+def _model(backend: str) -> Transformer:
+    torch.manual_seed(0)
+    cfg = C.ModelConfig(n_layers=1, d_model=16, n_heads=2, d_ff=32, dropout=0.0)
+    return Transformer(cfg, 40, 32, backend)
+
+
+def _batch(T: int, lengths: list[int]) -> Batch:
+    g = torch.Generator().manual_seed(T)
+    tokens = torch.randint(3, 40, (len(lengths), T), generator=g)
+    return Batch(tokens, torch.full_like(tokens, -100), torch.tensor(lengths), [0])
+
+
+def test_a_graph_break_falls_back_and_says_why(breaking_backend):
+    model, said = _model(breaking_backend), []
+    f = fast.FastForward(model, say=said.append)
+    b = _batch(12, [12, 7])
+    h = f(b, [12, 7])
+    assert f.mode == "graph breaks" and f.note
+    assert len(said) == 1 and "fullgraph=True failed" in said[0]
+    torch.testing.assert_close(h, model(b.tokens_BT, b.lengths_B, return_hidden=True))
+
+
+def test_jagged_lengths_share_one_graph(monkeypatch):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(fast, "COMPILE_BACKEND", counter)
+    model = _model("softmax")
+    f = fast.FastForward(model, say=print)
+    for T, lengths in ((20, [20, 9]), (24, [24, 24]), (17, [17, 5]), (31, [30, 31])):
+        b = _batch(T, lengths)
+        h = f(b, lengths)
+        torch.testing.assert_close(h, model(b.tokens_BT, b.lengths_B, return_hidden=True))
+    assert f.mode == "fullgraph"
+    # One graph per padding hint (the softmax arm's SDPA takes no mask on unpadded batches),
+    # none per length.
+    assert counter.frame_count == 2
+
+
+def test_gpu_presets_default_to_the_fast_step_and_cpu_presets_do_not():
+    for name, make in PRESETS.items():
+        want = name not in CPU_PRESETS and name in ("stress_8k", "proxy", "proxy_hot")
+        assert make().train.fast is want, name
+    assert C.parse(["--preset", "stress_8k", "--train.fast=False"]).train.fast is False
+
+
+def test_fast_refuses_what_it_cannot_keep():
+    with pytest.raises(C.ConfigError, match="train.fast"):
+        C.parse(["--preset", "stress_8k", "--train.deterministic=True"])
+    with pytest.raises(C.ConfigError, match="train.compile"):
+        C.parse(["--preset", "proxy", "--train.compile=True"])
+    C.parse(["--preset", "stress_8k", "--train.deterministic=True", "--train.fast=False"])
+
+
+def test_a_run_from_before_the_flag_resumes_with_it_on():
+    saved = C.to_dict(C.parse(["--preset", "proxy", "--train.fast=False"]))
+    del saved["train"]["fast"]
+    assert config_changes(saved, C.to_dict(C.parse(["--preset", "proxy"]))) == {}
+    changed = C.to_dict(C.parse(["--preset", "proxy", "--train.lr=0.01"]))
+    assert "train.lr" in config_changes(saved, changed)
+
+
+def test_curve_gap():
+    gap = curve_gap([4.0, 3.0, 2.0], [4.0, 3.5, 2.2, 9.0], tail=2)
+    assert gap["steps"] == 3 and gap["max_abs"] == pytest.approx(0.5)
+    assert gap["tail_rel"] == pytest.approx((0.5 + 0.2) / 2 / 2.5)
+    assert curve_gap([1.0, float("nan")], [1.0, 1.0])["tail_rel"] == math.inf
+    with pytest.raises(ValueError, match="tail"):
+        curve_gap([1.0], [1.0], tail=0)
