@@ -27,10 +27,10 @@ from stabilitylab.config import (
 def stress_8k() -> Config:
     """The paper's stress test (section 5.3, A.2): 160M encoder, 8K context, no clipping.
 
-    The fast step (train.fast, stabilitylab.train.fast) is on, as in every GPU preset but
-    diverge_fast; --train.fast=False runs the eager step.
+    --train.fast=True takes the fast step (stabilitylab.train.fast; docs/BENCHMARKS.md, "Where the
+    160M@8K step goes"); off by default until it is compared with the eager step on the GPU.
     """
-    return Config(preset="stress_8k", name="stress_8k", train=TrainConfig(fast=True))
+    return Config(preset="stress_8k", name="stress_8k")
 
 
 def smoke() -> Config:
@@ -80,7 +80,6 @@ def proxy() -> Config:
             lr=1e-3,
             warmup_steps=100,
             checkpoint_every=500,
-            fast=True,
         ),
         telemetry=TelemetryConfig(log_every=5, layer_every=25, logit_every=25),
     )
@@ -91,8 +90,8 @@ def proxy_hot() -> Config:
 
     Measured on one H200 (--train.seed=1, sigmoid-reference, 1,000 steps): the *sigmoid* arm's
     loss went from ~8 to 100-450 after step ~470 with a ~300x grad-norm jump; the softmax arm
-    stayed near 7.3. That was the eager step; the proxy's fast step (on here too) rounds
-    differently, so a chaotic blow-up may come at another step (--train.fast=False repeats it).
+    stayed near 7.3. That was the eager step; the fast step (--train.fast=True) rounds
+    differently, so a chaotic blow-up may come at another step.
     """
     cfg = proxy()
     cfg.preset, cfg.name = "proxy_hot", "proxy_hot"
@@ -113,13 +112,12 @@ def diverge_fast() -> Config:
     of 3 runs (bit-identical curves); seed 3 at 281; seed 2 runs its 1,000 steps. Sigmoid (seeds 1-3) ran all 1,000
     steps without the divergence rule firing; seed 3's loss blew up (``loss_blowup``).
 
-    The fast step is off (train.fast=False): those steps were measured on the eager step, whose
-    bits decide them, and inductor's kernels are not checked to repeat bit for bit.
+    Keep the eager step here (train.fast False, the default): those steps were measured on it,
+    its bits decide them, and inductor's kernels are not checked to repeat bit for bit.
     """
     cfg = proxy()
     cfg.preset, cfg.name = "diverge_fast", "diverge_fast"
     cfg.sigmoid_backend, cfg.softmax_backend = "sigmoid-reference", "softmax-reference"
-    cfg.train.fast = False
     m = cfg.model
     m.n_layers, m.d_model, m.n_heads, m.d_ff = 8, 512, 8, 2048
     cfg.train.lr, cfg.train.weight_decay, cfg.train.seed = 0.1, 0.0, 1
@@ -146,7 +144,7 @@ def _kv_model(**shape) -> ModelConfig:
     )
 
 
-# The KV presets keep the eager step (train.fast=False): the fast step was not yet run on the GPU
+# The KV presets keep the eager step (train.fast False): the fast step was not yet run on the GPU
 # through a gated decoder (the key-bias float mask under SDPA, the budget term through compiled
 # gates), and the reduced study's four processes per GPU would each compile every cell.
 # --train.fast=True turns it on; a trained cell resumes either way.

@@ -144,25 +144,24 @@ def test_jagged_lengths_share_one_graph(monkeypatch):
     assert counter.frame_count == 2
 
 
-def test_gpu_presets_default_to_the_fast_step_and_cpu_presets_do_not():
+def test_every_preset_defaults_to_the_eager_step_and_one_flag_turns_the_fast_one_on():
     for name, make in PRESETS.items():
-        want = name not in CPU_PRESETS and name in ("stress_8k", "proxy", "proxy_hot")
-        assert make().train.fast is want, name
-    assert C.parse(["--preset", "stress_8k", "--train.fast=False"]).train.fast is False
+        assert make().train.fast is False, name
+    assert C.parse(["--preset", "stress_8k", "--train.fast=True"]).train.fast is True
 
 
 def test_fast_refuses_what_it_cannot_keep():
     with pytest.raises(C.ConfigError, match="train.fast"):
-        C.parse(["--preset", "stress_8k", "--train.deterministic=True"])
+        C.parse(["--preset", "stress_8k", "--train.deterministic=True", "--train.fast=True"])
     with pytest.raises(C.ConfigError, match="train.compile"):
-        C.parse(["--preset", "proxy", "--train.compile=True"])
-    C.parse(["--preset", "stress_8k", "--train.deterministic=True", "--train.fast=False"])
+        C.parse(["--preset", "proxy", "--train.compile=True", "--train.fast=True"])
+    C.parse(["--preset", "stress_8k", "--train.deterministic=True"])
 
 
 def test_a_run_from_before_the_flag_resumes_with_it_on():
-    saved = C.to_dict(C.parse(["--preset", "proxy", "--train.fast=False"]))
+    saved = C.to_dict(C.parse(["--preset", "proxy"]))
     del saved["train"]["fast"]
-    assert config_changes(saved, C.to_dict(C.parse(["--preset", "proxy"]))) == {}
+    assert config_changes(saved, C.to_dict(C.parse(["--preset", "proxy", "--train.fast=True"]))) == {}
     changed = C.to_dict(C.parse(["--preset", "proxy", "--train.lr=0.01"]))
     assert "train.lr" in config_changes(saved, changed)
 

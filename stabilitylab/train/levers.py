@@ -51,6 +51,7 @@ from stabilitylab.determinism import deterministic_mode
 from stabilitylab.model import Transformer, masked_lm_loss_sum, vocab_size_for
 from stabilitylab.telemetry import LayerStatsMonitor, LogitMonitor, global_grad_norm
 from stabilitylab.train.build import make_optimizer
+from stabilitylab.train.fast import raise_recompile_limit
 
 LEVERS = ("compile", "mb2", "chunked-ce", "no-copies", "pad-vocab")
 ALTERNATIVES = ("compile-blocks",)
@@ -217,16 +218,6 @@ def build_rig(
     if "compile" in levers or "compile-blocks" in levers:
         rig.compile_note = _compile_checked(rig, compile_backend)
     return rig
-
-
-def raise_recompile_limit(limit: int = 64) -> None:
-    """Every compiled module shares one dynamo cache (it is keyed by ``Module._call_impl``'s code):
-    arms, variants and the telemetry flag's second graph each add entries, and past the limit
-    (8) dynamo runs the module eagerly, silently slow. Raised for the benchmark's many models."""
-    import torch._dynamo.config as dynamo_config
-
-    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    setattr(dynamo_config, name, max(limit, getattr(dynamo_config, name)))
 
 
 def _compile_checked(rig: StepRig, compile_backend: str) -> str:
