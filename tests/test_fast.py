@@ -17,7 +17,7 @@ from stabilitylab.analysis.events import load_runs
 from stabilitylab.attention import register, sigmoid_reference
 from stabilitylab.data.batch import Batch
 from stabilitylab.model import Transformer
-from stabilitylab.presets import CPU_PRESETS, PRESETS
+from stabilitylab.presets import PRESETS
 from stabilitylab.train import fast, run
 from stabilitylab.train.checkpoint import read_state
 from stabilitylab.train.resume import config_changes
@@ -79,6 +79,15 @@ def test_fast_step_logs_every_tag_the_eager_step_logs(eager_and_fast):
             assert tag in set(tags["fast"].tag), (arm, tag)
         probe = tags["fast"][tags["fast"].tag.str.startswith("probe/jacobian")]
         assert set(probe.step) == {0, 3} and probe.value.map(math.isfinite).all()
+
+
+def test_the_run_records_which_step_it_took(eager_and_fast):
+    out, _ = eager_and_fast
+    prov = {
+        k: json.loads((out[k] / "smoke" / "sigmoid" / "provenance.json").read_text()) for k in out
+    }
+    assert prov["eager"]["fast_path"] is None
+    assert prov["fast"]["fast_path"] == {"mode": "fullgraph", "note": ""}
 
 
 def test_a_diverging_run_is_recorded_as_diverged_under_fast(tmp_path):
@@ -161,7 +170,9 @@ def test_fast_refuses_what_it_cannot_keep():
 def test_a_run_from_before_the_flag_resumes_with_it_on():
     saved = C.to_dict(C.parse(["--preset", "proxy"]))
     del saved["train"]["fast"]
-    assert config_changes(saved, C.to_dict(C.parse(["--preset", "proxy", "--train.fast=True"]))) == {}
+    assert (
+        config_changes(saved, C.to_dict(C.parse(["--preset", "proxy", "--train.fast=True"]))) == {}
+    )
     changed = C.to_dict(C.parse(["--preset", "proxy", "--train.lr=0.01"]))
     assert "train.lr" in config_changes(saved, changed)
 

@@ -371,7 +371,12 @@ def _finish(a: Arm, step: int, interrupted: bool) -> dict:
     )
     if accelerator.is_main_process:
         runs.write_summary(a.dir, **summary)
-        runs.add_provenance(a.dir, autotune=autotune_choices())
+        fast = a.trainee.fast
+        runs.add_provenance(
+            a.dir,
+            autotune=autotune_choices(),
+            fast_path=None if fast is None else {"mode": fast.mode, "note": fast.note},
+        )
     accelerator.wait_for_everyone()
     # Accelerate keeps every prepared model and optimizer; drop this arm's so that the next arm
     # (same process) neither carries its memory nor counts it in its own peak.
