@@ -13,6 +13,7 @@ from stabilitylab.model import Transformer, masked_lm_loss_sum, split_qkv_heads
 from stabilitylab.presets import smoke
 from stabilitylab.train.levers import (
     ALTERNATIVES,
+    COMPILED,
     DETERMINISTIC,
     DETERMINISTIC_VARIANTS,
     HEAD_ROW_MULTIPLE,
@@ -165,7 +166,7 @@ def test_every_variant_computes_the_eager_step(arm):
     ref_grads = _grads(ref.model)
     for variant, rig in rigs.items():
         assert torch.equal(rig.batch[0][:1], ref.batch[0]), variant
-        if rig.levers & {"compile", "compile-blocks"}:
+        if rig.levers & COMPILED:
             assert rig.compile_note.startswith("fullgraph"), (variant, rig.compile_note)
         loss = rig.loss()
         loss.backward()
@@ -260,7 +261,15 @@ def test_variants_match_eager_on_gpu(arm, monkeypatch):
     ref_loss = ref.loss()
     ref_loss.backward()
     ref_grads = _grads(ref.model)
-    for variant in ("compile", "compile-blocks", "chunked-ce", "no-copies", "pad-vocab", "det"):
+    for variant in (
+        "compile",
+        "compile-blocks",
+        "compile-cg",
+        "chunked-ce",
+        "no-copies",
+        "pad-vocab",
+        "det",
+    ):
         rig = build_rig(cfg, arm, variant, "cuda")
         if "compile" in variant:
             assert rig.compile_note.startswith("fullgraph"), rig.compile_note

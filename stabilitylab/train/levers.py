@@ -16,6 +16,9 @@ Levers (a variant is ``eager``, one lever alone, or ``all`` of ``LEVERS``):
 - ``compile-blocks``: each block compiled alone (``fullgraph=True``), the embeddings, final norm
   and head eager: the L identical blocks share one compiled graph, so it compiles about L times
   faster than the whole model; it gives up fusing across block boundaries.
+- ``compile-cg``: ``compile`` with inductor's ``mode="reduce-overhead"``: the compiled forward
+  and backward replayed as CUDA graphs (static shapes, so the launches and the host gap between
+  them go); on CPU, or with another backend than inductor, the same as ``compile``.
 - ``mb2``: two sequences per micro-batch (the per-token figures compare).
 - ``chunked-ce``: ``stabilitylab.chunked_loss.linear_cross_entropy_sum`` on the final norm's
   output: no full logits; the same loss to rounding.
@@ -54,12 +57,14 @@ from stabilitylab.train.build import make_optimizer
 from stabilitylab.train.fast import raise_recompile_limit
 
 LEVERS = ("compile", "mb2", "chunked-ce", "no-copies", "pad-vocab")
-ALTERNATIVES = ("compile-blocks",)
+ALTERNATIVES = ("compile-blocks", "compile-cg")
 """Variants measured alone but not part of ``all`` (another form of a lever in ``LEVERS``)."""
 DETERMINISTIC = "det"
 """The mode of the deterministic variants (module docstring), carried in a rig's levers."""
 DETERMINISTIC_VARIANTS = {"det": "eager", "det-all": "all"}
 """Each deterministic variant and the variant whose levers it takes."""
+COMPILED = frozenset({"compile", "compile-blocks", "compile-cg"})
+"""The levers that compile the model."""
 VARIANTS = ("eager", *LEVERS, *ALTERNATIVES, "all", *DETERMINISTIC_VARIANTS)
 HEAD_ROW_MULTIPLE = 64
 """``pad-vocab``: the head's rows padded to this multiple (44,003 -> 44,032)."""
@@ -139,6 +144,8 @@ class StepRig:
         tokens_BT, lengths_B, labels_BT = self.batch
         cuda = self.device.type == "cuda"
         hidden = "chunked-ce" in self.levers
+        if "compile-cg" in self.levers and cuda:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs are done
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             with record_function("forward"), compiled_lengths_hint(lengths_B, tokens_BT.shape[1]):
                 out = self.model(tokens_BT, lengths_B, return_hidden=hidden)
@@ -215,7 +222,7 @@ def build_rig(
         batch=synthetic_batch(B, T, vocab, device),
         levers=levers,
     )
-    if "compile" in levers or "compile-blocks" in levers:
+    if levers & COMPILED:
         rig.compile_note = _compile_checked(rig, compile_backend)
     return rig
 
@@ -236,9 +243,12 @@ def _compile_checked(rig: StepRig, compile_backend: str) -> str:
 
 def _compile_traced(rig: StepRig, targets: list[torch.nn.Module], compile_backend: str) -> str:
     """Compile ``targets`` (fullgraph, else with breaks) and trace one forward and backward."""
+    kw = {"backend": compile_backend}
+    if "compile-cg" in rig.levers and compile_backend == "inductor" and rig.device.type == "cuda":
+        kw["mode"] = "reduce-overhead"
     try:
         for m in targets:
-            m.compile(fullgraph=True, dynamic=False, backend=compile_backend)
+            m.compile(fullgraph=True, dynamic=False, **kw)
         rig.loss().backward()
         note = "fullgraph"
     except Exception as e:  # torch._dynamo's Unsupported / UserError, whatever the version
@@ -246,7 +256,7 @@ def _compile_traced(rig: StepRig, targets: list[torch.nn.Module], compile_backen
         print(f"compile {rig.label}: fullgraph=True failed ({type(e).__name__}: {reason}); "
               "falling back to fullgraph=False")  # fmt: skip
         for m in targets:
-            m.compile(dynamic=False, backend=compile_backend)
+            m.compile(dynamic=False, **kw)
         rig.loss().backward()
         note = f"graph breaks ({type(e).__name__}: {reason})"
     return note
