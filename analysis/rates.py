@@ -8,6 +8,9 @@ differ, seed, names and bookkeeping aside). So K seeds of one setting pool into 
 so do K runs of one seed (a nondeterministic backend, e.g. SDPA's backward); run dirs written by
 ``experiments/sweep.py --repeats K`` and hand-named ones group the same way.
 
+Each group's diverged runs are also counted per failure mechanism (``mechanism``: logit growth,
+early transient, other, unknown), so an early transient is not read as the logit-growth failure.
+
 Rates count finished runs only (status ``stable`` or ``diverged``); an interrupted or
 unfinished run has no outcome yet and is counted apart (``n_unfinished``).
 
@@ -31,6 +34,7 @@ import pandas as pd
 
 from stabilitylab.analysis.early_warning import first_warning
 from stabilitylab.analysis.events import load_config
+from stabilitylab.analysis.mechanism import mechanism_counts
 from stabilitylab.analysis.settings import flatten, varying_keys
 
 Z_95 = 1.96
@@ -40,7 +44,7 @@ FALSE_ALARM_MAX = 0.2
 first warning for that arm: it fires whether or not the run is about to diverge."""
 
 RATE_COLUMNS = [
-    "group", "n_runs", "n_diverged", "fraction_diverged", "ci_low", "ci_high",
+    "group", "n_runs", "n_diverged", "diverged", "fraction_diverged", "ci_low", "ci_high",
     "median_divergence_step", "min_divergence_step", "max_divergence_step", "n_unfinished",
     "first_warning",
 ]  # fmt: skip
@@ -124,8 +128,12 @@ def outcome_rates(summary: pd.DataFrame, groups: dict[Key, str]) -> pd.DataFrame
     """Per group (columns ``RATE_COLUMNS``): finished runs, how many diverged, the fraction with
     its 95% Wilson interval, the median / min / max divergence step, unfinished runs, and the
     first warning named most often on the group's diverged runs (``"name (k of n)"``).
+    ``diverged`` spells the count out with the failures per mechanism,
+    ``"3/4 (logit growth 2, early transient 1)"`` (``mechanism``; just ``"3/4"`` when the table
+    has no ``mechanism`` column or no run diverged).
 
-    ``summary``: the report's per-run table (run, arm, status, divergence_step, first_warning).
+    ``summary``: the report's per-run table (run, arm, status, divergence_step, first_warning,
+    and optionally mechanism).
     """
     rows = []
     for group, g in _grouped(summary, groups).groupby("group", sort=False):
@@ -140,6 +148,7 @@ def outcome_rates(summary: pd.DataFrame, groups: dict[Key, str]) -> pd.DataFrame
                 "group": group,
                 "n_runs": n,
                 "n_diverged": k,
+                "diverged": _diverged_text(div, n),
                 "fraction_diverged": k / n if n else math.nan,
                 "ci_low": low,
                 "ci_high": high,
@@ -152,6 +161,13 @@ def outcome_rates(summary: pd.DataFrame, groups: dict[Key, str]) -> pd.DataFrame
         )
     out = pd.DataFrame(rows, columns=RATE_COLUMNS)
     return out.astype({"min_divergence_step": "Int64", "max_divergence_step": "Int64"})
+
+
+def _diverged_text(div: pd.DataFrame, n: int) -> str:
+    """``"k/n"``, with the diverged runs counted per mechanism in brackets when known."""
+    text = f"{len(div)}/{n}"
+    counts = mechanism_counts(div["mechanism"]) if "mechanism" in div.columns else None
+    return f"{text} ({counts})" if counts else text
 
 
 def _with_status(early: pd.DataFrame, summary: pd.DataFrame, groups) -> pd.DataFrame:

@@ -5,7 +5,9 @@
 
 Writes report.md, summary.csv (one row per arm), early_warning.csv, scalars.csv (every scalar,
 tidy: run, arm, step, tag, value), figure.png (loss / grad norm / layer-0 max logit, divergence
-marked) and heatmap.png (per-layer max logit over steps, one panel per arm). When the runs
+marked) and heatmap.png (per-layer max logit over steps, one panel per arm). Each diverged arm
+gets its failure mechanism (``mechanism``: logit growth, early transient, other, unknown), and
+report.md lists the early-transient failures apart from the rest. When the runs
 hold repeats of an arm (same arm and setting; seeds pool, see ``rates``), report.md opens with
 outcome rates per arm (fraction diverged, 95% Wilson interval, divergence steps) and the early
 warning over the repeats (lead, false-alarm rate on stable runs), also as rates.csv and
@@ -27,6 +29,7 @@ from pathlib import Path
 import pandas as pd
 
 from stabilitylab.analysis import markdown, plots
+from stabilitylab.analysis import mechanism as mech
 from stabilitylab.analysis import rates as rates_mod
 from stabilitylab.analysis.cli import run_writer
 from stabilitylab.analysis.events import (
@@ -34,6 +37,7 @@ from stabilitylab.analysis.events import (
     TruncatedEventsWarning,
     cut_message,
     discover,
+    load_config,
     load_summary,
     read_found,
 )
@@ -49,17 +53,25 @@ BASIS_WORDS = {
 RATE_FILES = ("rates.csv", "warning_rates.csv")
 """Written as well when an arm was repeated (``rates``)."""
 WARNING_COLUMNS = ["run", "arm", "precursor", "tag", "step", "divergence_step", "lead_steps"]
+MECHANISM_COLUMNS = [
+    "run", "arm", "group", "divergence_step", "mechanism", "logit_before_divergence",
+    "logit_growth", "logit_lead_steps", "mechanism_detail",
+]  # fmt: skip
 
 
 def build_tables(
     df: pd.DataFrame,
     summaries: dict[tuple[str, str], dict | None],
     arms: list[tuple[str, str]] | None = None,
+    configs: dict[tuple[str, str], dict | None] | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``(summary table, early-warning table)`` for the arms ``arms`` (default: those in ``df``).
 
     An arm with no rows in ``df`` keeps a row: status from its summary, else ``no data``.
+    ``configs``: each arm's config.json, for the warmup that the failure mechanism needs
+    (``mechanism.classify``; without it the warmup is taken as 0 and the detail says so).
     """
+    configs = configs or {}
     if arms is None:
         arms = list(df.groupby(["run", "arm"], sort=False).groups)
     rows, tables = [], []
@@ -69,13 +81,13 @@ def build_tables(
             summary = summaries.get((run, arm)) or {}
             rows.append({"run": run, "arm": arm, "status": summary.get("status", "no data")})
             continue
-        row, warn = arm_row(df_arm, summaries.get((run, arm)))
+        row, warn = arm_row(df_arm, summaries.get((run, arm)), configs.get((run, arm)))
         rows.append(row)
         tables.append(warn)
     summary = pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
     summary = summary.astype(
         {"divergence_step": "Int64", "detected_step": "Int64", "lead_steps": "Int64",
-         "last_step": "Int64"}
+         "logit_lead_steps": "Int64", "last_step": "Int64"}
     )  # fmt: skip
     # Rows, not pd.concat: a precursor column that is all-missing in one arm is not dropped.
     early = pd.DataFrame(
@@ -123,11 +135,12 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     if df.empty:
         raise ValueError(f"no scalars in the event files under {', '.join(map(str, run_dirs))}")
     summaries = {(run, arm): load_summary(d) for d, run, arm in found}
+    configs = {(run, arm): load_config(d) for d, run, arm in found}
 
     out = Path(out_dir) if out_dir is not None else Path(run_dirs[0]) / "report"
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / name for name in REPORT_FILES}
-    summary, early = build_tables(df, summaries, [(run, arm) for _, run, arm in found])
+    summary, early = build_tables(df, summaries, [(run, arm) for _, run, arm in found], configs)
     rates = repeat_tables(found, summary, early)
     if rates is not None:
         summary = rates["summary"]
@@ -182,8 +195,9 @@ def _rates_markdown(tables: dict[str, pd.DataFrame]) -> list[str]:
         "A group is one arm at one setting: runs whose resolved configs agree in every key "
         "but the seed, names and bookkeeping, so seeds pool and so do repeats of one seed. "
         "n_runs counts finished runs (stable or diverged); the interval is the 95% Wilson "
-        "interval of the fraction diverged. first_warning: the precursor named first most "
-        "often on the group's diverged runs.",
+        "interval of the fraction diverged; diverged counts the failures per mechanism (see "
+        "Failure mechanisms). first_warning: the precursor named first most often on the "
+        "group's diverged runs.",
         "",
         markdown.table(tables["rates"]),
     ]
@@ -215,6 +229,41 @@ def _rates_markdown(tables: dict[str, pd.DataFrame]) -> list[str]:
     return lines
 
 
+def _mechanism_markdown(summary: pd.DataFrame) -> list[str]:
+    """Every failure with its mechanism, then the early transients apart: a failure of the
+    optimizer's start, not of the logit growth the study is about (``mechanism``)."""
+    failed = summary[summary["mechanism"].isin(mech.FAILURES)]
+    if failed.empty:
+        return []
+    lines = [
+        "",
+        "## Failure mechanisms",
+        "",
+        "What each diverged arm's max attention logit did up to its divergence step "
+        f"(`mechanism.classify`). **logit growth**: the max of its last {mech.N_BEFORE} logged "
+        f"points at or before the divergence is at least {mech.GROWTH_MIN:g}x its first logged "
+        f"value and at least {mech.LOGIT_MIN:g} (the paper's mechanism: logits grow, then the "
+        "grad norm explodes). **early transient**: no such growth, and it diverged at or before "
+        f"step warmup + {mech.EARLY_STEPS} (Adam's start with no or a short warmup). **other**: "
+        "no such growth, later. **unknown**: no finite max logit logged before the divergence. "
+        "logit_before_divergence and logit_growth are those last points and their ratio to the "
+        f"first; logit_lead_steps = divergence step - the first step the logit reached "
+        f"{mech.LOGIT_MIN:g}.",
+        "",
+        markdown.table(failed[[c for c in MECHANISM_COLUMNS if c in failed.columns]]),
+        "",
+        "### Early-transient failures (not the logit-growth mechanism)",
+        "",
+    ]
+    early = failed[failed["mechanism"] == mech.EARLY_TRANSIENT]
+    if early.empty:
+        return [*lines, "None."]
+    return lines + [
+        f"- `{r.run}` / `{r.arm}` ({markdown.fmt(r.divergence_reason)}): {r.mechanism_detail}"
+        for r in early.itertuples(index=False)
+    ]
+
+
 def _markdown(summary, early, notes, found, missing, rates=None) -> str:
     lines = ["# Stability report", "", "Runs:"]
     lines += [f"- `{d}` (run `{run}`, arm `{arm}`)" for d, run, arm in found]
@@ -222,6 +271,7 @@ def _markdown(summary, early, notes, found, missing, rates=None) -> str:
         lines += ["", "## Missing or cut data", "", *[f"- {m}" for m in missing]]
     if rates is not None:
         lines += _rates_markdown(rates)
+    lines += _mechanism_markdown(summary)
     lines += [
         "",
         "## Per arm",
@@ -229,12 +279,13 @@ def _markdown(summary, early, notes, found, missing, rates=None) -> str:
         "Max and growth (= max / median of the first 10 logged points) are over the logged "
         "points, so they can sit below summary.json's every-step maxima. Status and divergence "
         "step from summary.json when present; detected_step = `detectors.diverged` on the "
-        "logged loss and grad norm."
+        "logged loss and grad norm. mechanism and the logit_* columns: `mechanism.classify` "
+        "(Failure mechanisms above, when an arm diverged; the detail is in summary.csv)."
         + (
             " first_warning leaves out the precursors not named above." if rates is not None else ""
         ),
         "",
-        markdown.table(summary),
+        markdown.table(summary.drop(columns=["mechanism_detail"])),
         "",
         "## Early warning",
         "",

@@ -13,6 +13,7 @@ import pandas as pd
 
 from stabilitylab import tags
 from stabilitylab.analysis import detectors as det
+from stabilitylab.analysis import mechanism as mech
 from stabilitylab.analysis.early_warning import (
     divergence_of,
     early_warning,
@@ -28,7 +29,8 @@ N_EARLY = 10
 SUMMARY_COLUMNS = [
     "run", "arm", "status", "divergence_step", "divergence_reason", "detected_step",
     "loss_blowup_step", "first_warning", "lead_steps", "max_grad_norm", "grad_norm_growth", "max_logit",
-    "max_logit_growth", "initial_loss", "final_loss", "last_step",
+    "max_logit_growth", "mechanism", "logit_before_divergence", "logit_growth",
+    "logit_lead_steps", "mechanism_detail", "initial_loss", "final_loss", "last_step",
 ]  # fmt: skip
 
 
@@ -53,14 +55,36 @@ def growth(values_N: np.ndarray, n_early: int = N_EARLY) -> tuple[float, float]:
     return peak, (peak / early if early > 0 else math.nan)
 
 
-def arm_row(df_arm: pd.DataFrame, summary: dict | None) -> tuple[dict, pd.DataFrame]:
+def warmup_of(config: dict | None) -> int | None:
+    """``train.warmup_steps`` of a resolved config.json (None when absent or not an int)."""
+    train = (config or {}).get("train")
+    warmup = train.get("warmup_steps") if isinstance(train, dict) else None
+    return warmup if isinstance(warmup, int) and not isinstance(warmup, bool) else None
+
+
+def mechanism_of(
+    status: str, div_step: int | None, logit_steps, logit, warmup: int | None
+) -> mech.Mechanism | None:
+    """``mechanism.classify`` for one arm; None for a run with no outcome yet (neither stable
+    nor diverged, and no divergence step)."""
+    if div_step is None and status == "diverged":
+        return mech.Mechanism(mech.UNKNOWN, reason="diverged, but no divergence step recorded")
+    if div_step is None and status != "stable":
+        return None
+    return mech.classify(logit_steps, logit, div_step, warmup)
+
+
+def arm_row(
+    df_arm: pd.DataFrame, summary: dict | None, config: dict | None = None
+) -> tuple[dict, pd.DataFrame]:
     """The report's row for one arm, and its early-warning table.
 
     Status and divergence step come from summary.json when the run finished writing one;
     ``detected_step`` is always recomputed from the event data with ``detectors.diverged``, so
     the two can be compared; ``loss_blowup_step`` is ``detectors.loss_blowup`` on the loss, a
     failure the grad-norm rule can miss. Without summary.json the status is ``diverged`` if the rule fires,
-    else ``unfinished``.
+    else ``unfinished``. ``mechanism`` and the ``logit_*`` numbers are ``mechanism.classify`` at
+    that divergence step, with the warmup from ``config`` (the arm's config.json).
     """
     run, arm = df_arm["run"].iloc[0], df_arm["arm"].iloc[0]
     found = divergence_of(df_arm)
@@ -78,7 +102,8 @@ def arm_row(df_arm: pd.DataFrame, summary: dict | None) -> tuple[dict, pd.DataFr
 
     loss_steps, loss = series(df_arm, tags.LOSS)
     _, gn = series(df_arm, tags.GRAD_NORM)
-    _, logit, _ = max_logit_series(df_arm)
+    logit_steps, logit, _ = max_logit_series(df_arm)
+    found_mech = mechanism_of(status, div_step, logit_steps, logit, warmup_of(config))
     max_gn, gn_growth = growth(gn) if gn.size else (None, None)
     max_logit, logit_growth = growth(logit) if logit.size else (None, None)
     blowup = det.loss_blowup(loss_steps, loss) if loss.size else None
@@ -96,6 +121,11 @@ def arm_row(df_arm: pd.DataFrame, summary: dict | None) -> tuple[dict, pd.DataFr
         "grad_norm_growth": gn_growth,
         "max_logit": max_logit,
         "max_logit_growth": logit_growth,
+        "mechanism": found_mech.label if found_mech else None,
+        "logit_before_divergence": found_mech.logit_before if found_mech else math.nan,
+        "logit_growth": found_mech.growth if found_mech else math.nan,
+        "logit_lead_steps": found_mech.lead_steps if found_mech else None,
+        "mechanism_detail": found_mech.reason if found_mech else None,
         "initial_loss": initial_mean(loss) if loss.size else None,
         "final_loss": final_mean(loss) if loss.size else None,
         "last_step": int(df_arm["step"].max()),

@@ -398,6 +398,8 @@ def test_write_report_on_a_fake_paired_run(tmp_path):
     assert summary.loc["softmax", "detected_step"] == steps[at]
     assert summary.loc["softmax", "grad_norm_growth"] > 1e3
     assert summary.loc["sigmoid", "status"] == "unfinished"  # no summary.json, no divergence
+    assert summary.loc["softmax", "mechanism"] == "logit growth"  # x1.5 per point before
+    assert pd.isna(summary.loc["sigmoid", "mechanism"])  # no outcome yet, no mechanism
     assert pd.isna(summary.loc["sigmoid", "max_logit"])
     scalars = pd.read_csv(paths["scalars.csv"])
     assert list(scalars.columns) == COLUMNS and len(scalars) == len(load_runs(tmp_path / "pair"))
