@@ -153,6 +153,30 @@ def test_jagged_lengths_share_one_graph(monkeypatch):
     assert counter.frame_count == 2
 
 
+@pytest.mark.interpreter
+def test_the_triton_kernel_arm_compiles_once_for_jagged_lengths(monkeypatch):
+    """The sigmoid arm as the GPU runs it (the Triton op, here in the interpreter): fullgraph, one
+    graph across lengths and padding, the same hidden states as the eager model."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(fast, "COMPILE_BACKEND", counter)
+    torch.manual_seed(0)
+    model = Transformer(
+        C.ModelConfig(n_layers=1, d_model=64, n_heads=1, d_ff=64, dropout=0.0),
+        40,
+        32,
+        "sigmoid-triton",
+    )
+    f = fast.FastForward(model, say=print)
+    for T, lengths in ((20, [20, 9]), (24, [24, 24]), (31, [30, 31])):
+        b = _batch(T, lengths)
+        h = f(b, lengths)
+        torch.testing.assert_close(h, model(b.tokens_BT, b.lengths_B, return_hidden=True))
+    assert f.mode == "fullgraph" and counter.frame_count == 1
+
+
 def test_every_preset_defaults_to_the_eager_step_and_one_flag_turns_the_fast_one_on():
     for name, make in PRESETS.items():
         assert make().train.fast is False, name

@@ -600,6 +600,32 @@ def test_lengths_out_of_range_raise_under_torch_compile(monkeypatch):
 
 
 @pytest.mark.interpreter
+def test_one_compiled_graph_serves_every_sequence_length(monkeypatch):
+    """The fast training step marks the sequence length dynamic (``stabilitylab.train.fast``):
+    the ops' fake implementations must trace with a symbolic T, so batches of other lengths reuse
+    the graph, and the compiled values equal the eager op's at each length."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def attention(q, lengths_B):
+        out, m = sigmoid_attention(q, q, q, lengths_B, return_max_logit=True)
+        return out.transpose(1, 2).flatten(2), m
+
+    compiled = torch.compile(attention, fullgraph=True, backend=counter)
+    gen = torch.Generator().manual_seed(0)
+    for T in (37, 45, 29):
+        q = torch.randn(2, 1, T, 64, generator=gen)
+        torch._dynamo.maybe_mark_dynamic(q, 2)
+        lengths_B = torch.tensor([T, T // 2])
+        for got, want in zip(compiled(q, lengths_B), attention(q, lengths_B), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.interpreter
 def test_eager_calls_read_the_lengths_once_even_in_inference_mode(monkeypatch):
     """The launch-time range check is for compiled graphs only: an eager call reads its lengths
     once (validation), also under inference_mode, where the memo cannot hold the tensor."""
