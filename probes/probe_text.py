@@ -78,6 +78,20 @@ def probe_windows(
     return gpt2_to_model_ids(batch.tokens_BT, vocab), batch.lengths_B
 
 
+def shared_vocab(
+    vocabs: Mapping[str, dict], where: str, error: type[Exception] = ValueError
+) -> dict:
+    """The one vocab.json that the cells ``vocabs`` (cell -> vocab.json) share; ``error`` naming
+    the cells whose vocabulary differs from the first's (their ids would not agree)."""
+    if not vocabs:
+        raise error(f"{where}: no cells to read a vocabulary from")
+    first = next(iter(vocabs))
+    differ = [c for c, v in vocabs.items() if v != vocabs[first]]
+    if differ:
+        raise error(f"{where}: cells {differ} have another vocab.json than {first!r}")
+    return vocabs[first]
+
+
 def cell_windows(
     run_dir: str | Path,
     cells: Sequence[str],
@@ -89,13 +103,9 @@ def cell_windows(
     lengths_B, vocab)``, refusing cells whose vocab.json differ (their ids would not agree)."""
     if not cells:
         raise ValueError(f"{run_dir}: no cells to read windows for")
-    vocabs = {c: read_vocab(Path(run_dir) / c) for c in cells}
-    first = next(iter(vocabs))
-    differ = [c for c, v in vocabs.items() if v != vocabs[first]]
-    if differ:
-        raise ValueError(f"{run_dir}: cells {differ} have another vocab.json than {first!r}")
-    tokens_BT, lengths_B = probe_windows(data_cfg, vocabs[first], split, n_windows)
-    return tokens_BT, lengths_B, vocabs[first]
+    vocab = shared_vocab({c: read_vocab(Path(run_dir) / c) for c in cells}, str(run_dir))
+    tokens_BT, lengths_B = probe_windows(data_cfg, vocab, split, n_windows)
+    return tokens_BT, lengths_B, vocab
 
 
 def _sample_pieces() -> dict[int, str]:

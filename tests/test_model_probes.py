@@ -317,3 +317,16 @@ def test_bad_requests_are_refused_before_work(seed):
         probe_tables({"x": model}, tokens_BT, torch.tensor([24, 30, 9]), hand_pieces)
     with pytest.raises(ValueError, match="figure_perturbation.*perturbation"):
         figure_perturbation(pd.DataFrame({"cell": ["x"]}), "/unused.png")
+
+
+def test_cells_must_share_one_vocabulary():
+    from stabilitylab.eviction.cells import StudyError
+    from stabilitylab.probes.probe_text import shared_vocab
+
+    compact = {"tokenizer": "r50k_base", "model_id_to_gpt2_id": [0, 5, 9]}
+    assert shared_vocab({"sm-rope": compact, "sig-rope": dict(compact)}, "run") == compact
+    other = {**compact, "model_id_to_gpt2_id": [0, 5, 7]}
+    with pytest.raises(StudyError, match=r"study: cells \['sig-rope'\] have another vocab.json"):
+        shared_vocab({"sm-rope": compact, "sig-rope": other}, "study", StudyError)
+    with pytest.raises(ValueError, match="no cells"):
+        shared_vocab({}, "run")

@@ -54,6 +54,7 @@ from stabilitylab.eviction.protocol import (
     sweep_tau,
 )
 from stabilitylab.eviction.speed import DECODE_SPEED_COLUMNS, decode_speed
+from stabilitylab.probes.probe_text import shared_vocab
 from stabilitylab.train.task import open_text
 
 
@@ -92,14 +93,10 @@ def study_inputs(
         raise StudyError("no cell to study")
     shards = shards if shards is not None else open_text(cfg.data)
     check_data(cells, shards)
-    vocabs = {c.name: c.vocab for c in cells.values()}
-    first = next(iter(vocabs))
-    other = [n for n, v in vocabs.items() if v != vocabs[first]]
-    if other:
-        raise StudyError(f"cells {other} have another vocab.json than {first}")
+    vocab = shared_vocab({c.name: c.vocab for c in cells.values()}, "study", StudyError)
     T = cfg.data.context_len
     decode = DecodeSplit(*cfg.study.decode_split(T))
-    sets = {s: eval_set(shards, s, T, vocabs[first]) for s in (Split.VAL, Split.TEST)}
+    sets = {s: eval_set(shards, s, T, vocab) for s in (Split.VAL, Split.TEST)}
     for split in (Split.VAL, Split.TEST):
         if not sets[split].indices(decode):
             raise StudyError(
