@@ -28,13 +28,13 @@ gates count each (token, head) for binarization and are averaged over heads for 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 import torch
 
+from stabilitylab.model import inference
 from stabilitylab.probes.gates import gate_stats_table, gate_sums
 from stabilitylab.probes.model_capture import (
     AttentionInputs,
@@ -91,18 +91,6 @@ def _chunks(B: int, batch_size: int | None) -> list[slice]:
         raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
     step = B if batch_size is None else batch_size
     return [slice(i, min(i + step, B)) for i in range(0, B, step)]
-
-
-@contextmanager
-def inference(model) -> Iterator[None]:
-    """Eval mode and no gradients inside; the training flag is put back after."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)
 
 
 def _on_model(model, *tensors: torch.Tensor) -> list[torch.Tensor]:

@@ -26,7 +26,8 @@ nothing extra runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -357,6 +358,19 @@ class Transformer(nn.Module):
 
 
 # ---- losses and accounting --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def inference(model: nn.Module) -> Iterator[None]:
+    """Eval mode and no gradients inside; the training flag is put back after (the probes and
+    the decode loop read trained models this way)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
 
 
 def masked_lm_loss_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,6 @@ maths runs in the model's parameter dtype, one layer at a time, without a fused 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +37,7 @@ import torch.nn as nn
 from stabilitylab.eviction.cache import LayerCache
 from stabilitylab.eviction.policies import CachePolicy
 from stabilitylab.kernels.reference import default_scale, sigmoid_bias_B
-from stabilitylab.model import Transformer, apply_rope, gate_key_bias, rope_cos_sin
+from stabilitylab.model import Transformer, apply_rope, gate_key_bias, inference, rope_cos_sin
 
 KIND_OF_BACKEND_PREFIX = {"softmax": "softmax", "sigmoid": "sigmoid"}
 
@@ -266,17 +265,6 @@ class DecodeOutput:
     """The caches after the last step (for inspection; drop the output to free them)."""
 
 
-@contextlib.contextmanager
-def eval_mode(model: nn.Module):
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)
-
-
 def check_decode_args(model: Transformer, tokens_BS, prefill: int, keep_BL) -> None:
     B, S = tokens_BS.shape
     if not 1 <= prefill < S - 1:
@@ -319,7 +307,7 @@ def decode_nll(
     tokens_BS = tokens_BS.to(device)
     keep_BL = None if keep_BL is None else keep_BL.to(device=device, dtype=torch.long)
     ctx = step_context(model, policy, S - 1, keep_BL)
-    with eval_mode(model):
+    with inference(model):
         caches = new_caches(model, B, policy)
         model_step(model, caches, tokens_BS[:, :prefill], 0, ctx)
         nll, keys_read_BL = [], 0
