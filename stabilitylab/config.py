@@ -44,6 +44,12 @@ and why; train.deterministic refuses them. Here, not in the registry: this modul
 torch."""
 
 
+def deterministic_softmax(cuda: bool) -> str:
+    """The softmax backend train.deterministic runs: the Triton kernel on a GPU, the eager n x n
+    reference on a CPU."""
+    return "softmax-triton" if cuda else "softmax-reference"
+
+
 class ConfigError(Exception):
     """A configuration value is invalid; the message names the key.
 
@@ -679,9 +685,7 @@ class Config:
         if self.attention_of(arm) == "softmax":
             if self.softmax_backend != "auto":
                 return self.softmax_backend
-            if not self.train.deterministic:
-                return "softmax"
-            return "softmax-triton" if cuda else "softmax-reference"
+            return deterministic_softmax(cuda) if self.train.deterministic else "softmax"
         if self.sigmoid_backend == "auto":
             return "sigmoid-triton" if cuda else "sigmoid-reference"
         return self.sigmoid_backend

@@ -49,7 +49,7 @@ from torch.profiler import record_function
 
 from stabilitylab.attention import compiled_lengths_hint
 from stabilitylab.chunked_loss import linear_cross_entropy_sum
-from stabilitylab.config import NOT_DETERMINISTIC, Config
+from stabilitylab.config import NOT_DETERMINISTIC, Config, deterministic_softmax
 from stabilitylab.determinism import deterministic_mode
 from stabilitylab.model import Transformer, masked_lm_loss_sum, vocab_size_for
 from stabilitylab.telemetry import LayerStatsMonitor, LogitMonitor, global_grad_norm
@@ -88,7 +88,7 @@ def deterministic_backend(backend: str, cuda: bool) -> str:
     softmax-reference on CPU, as ``Config.backend_for`` picks; the others stay."""
     if backend not in NOT_DETERMINISTIC:
         return backend
-    return "softmax-triton" if cuda else "softmax-reference"
+    return deterministic_softmax(cuda)
 
 
 def parse_variants(names: list[str]) -> list[str]:
