@@ -65,7 +65,9 @@ def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
     setattr(dynamo_config, name, max(limit, getattr(dynamo_config, name)))
 
 
-def _reason(e: BaseException) -> str:
+def failure_reason(e: BaseException) -> str:
+    """``Type: first line of the message`` (300 characters at most): why a compile failed, in
+    one line for a printed note."""
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}".rstrip(": ")
 
@@ -99,11 +101,11 @@ class FastForward:
         """fullgraph -> graph breaks on a break; anything else a compiler raised -> eager."""
         breaks = isinstance(e, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError))
         if self.mode == "fullgraph" and breaks:
-            self.mode, self.note = "graph breaks", _reason(e)
+            self.mode, self.note = "graph breaks", failure_reason(e)
             self.say(f"fast path: fullgraph=True failed ({self.note}); compiling with graph breaks")
             self._fn = torch.compile(self.model, backend=COMPILE_BACKEND)
         else:
-            self.mode, self.note = "eager", _reason(e)
+            self.mode, self.note = "eager", failure_reason(e)
             self.say(f"fast path: torch.compile failed ({self.note}); running the model eagerly")
             self._fn = self.model
 

@@ -54,7 +54,7 @@ from stabilitylab.determinism import deterministic_mode
 from stabilitylab.model import Transformer, masked_lm_loss_sum, vocab_size_for
 from stabilitylab.telemetry import LayerStatsMonitor, LogitMonitor, global_grad_norm
 from stabilitylab.train.build import make_optimizer
-from stabilitylab.train.fast import raise_recompile_limit
+from stabilitylab.train.fast import failure_reason, raise_recompile_limit
 
 LEVERS = ("compile", "mb2", "chunked-ce", "no-copies", "pad-vocab")
 ALTERNATIVES = ("compile-blocks", "compile-cg")
@@ -252,11 +252,11 @@ def _compile_traced(rig: StepRig, targets: list[torch.nn.Module], compile_backen
         rig.loss().backward()
         note = "fullgraph"
     except Exception as e:  # torch._dynamo's Unsupported / UserError, whatever the version
-        reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        print(f"compile {rig.label}: fullgraph=True failed ({type(e).__name__}: {reason}); "
+        reason = failure_reason(e)
+        print(f"compile {rig.label}: fullgraph=True failed ({reason}); "
               "falling back to fullgraph=False")  # fmt: skip
         for m in targets:
             m.compile(dynamic=False, **kw)
         rig.loss().backward()
-        note = f"graph breaks ({type(e).__name__}: {reason})"
+        note = f"graph breaks ({reason})"
     return note
