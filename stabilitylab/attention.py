@@ -57,7 +57,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from stabilitylab.config import NOT_DETERMINISTIC  # noqa: F401  (re-exported: the registry's)
+from stabilitylab.config import (
+    NOT_DETERMINISTIC,  # noqa: F401  (re-exported: the registry's)
+    TRITON_HEAD_DIMS,
+)
 from stabilitylab.kernels.reference import (
     key_bias_BH1T,
     key_mask_BT,
@@ -93,8 +96,9 @@ def get_backend(name: str) -> AttentionBackend:
 
 
 def max_abs_logit(q_BHTD, k_BHTD, lengths_B, causal: bool = False) -> torch.Tensor:
-    """Exact max |logit| per (batch, head) without an n x n tensor: Triton on CUDA, else chunks."""
-    if q_BHTD.is_cuda:
+    """Exact max |logit| per (batch, head) without an n x n tensor: Triton on CUDA for the head
+    dims the kernel takes, else chunks."""
+    if q_BHTD.is_cuda and q_BHTD.shape[-1] in TRITON_HEAD_DIMS:
         from stabilitylab.kernels.logit_max import max_abs_logit as fused
 
         return fused(q_BHTD, k_BHTD, lengths_B, causal=causal)

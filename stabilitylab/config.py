@@ -44,6 +44,14 @@ and why; train.deterministic refuses them. Here, not in the registry: this modul
 torch."""
 
 
+TRITON_HEAD_DIMS = (64, 128)
+"""The head dims the lab's Triton kernels take (``kernels/triton_support.SUPPORTED_HEAD_DIMS``; a
+test keeps the two equal). Here too because this module imports neither torch nor triton."""
+TRITON_BACKENDS = ("sigmoid-triton", "sigmoid-triton-exact", "softmax-triton")
+"""The backends that run those kernels: another head dim is refused when one is named, and
+``auto`` then picks the eager reference (``Config.backend_for``)."""
+
+
 def deterministic_softmax(cuda: bool) -> str:
     """The softmax backend train.deterministic runs: the Triton kernel on a GPU, the eager n x n
     reference on a CPU."""
@@ -548,12 +556,13 @@ class Config:
     sigmoid_backend: Literal[
         "auto", "sigmoid-reference", "sigmoid-triton", "sigmoid-triton-exact"
     ] = "auto"
-    """auto: sigmoid-triton on CUDA, sigmoid-reference on CPU.
+    """auto: sigmoid-triton on CUDA (head dim 64 or 128), else sigmoid-reference.
     sigmoid-triton-exact: the kernel with the exact sigmoid, not the fast tanh.approx one."""
     softmax_backend: Literal[
         "auto", "softmax", "softmax-flex", "softmax-reference", "softmax-triton", "softmax-flash"
     ] = "auto"
-    """auto: softmax, or with train.deterministic softmax-triton on CUDA, softmax-reference on CPU.
+    """auto: softmax, or with train.deterministic softmax-triton on CUDA (head dim 64 or 128), else
+    softmax-reference.
     softmax: PyTorch SDPA (fast; its GPU backward is not bit-reproducible run to run);
     softmax-flex: FlexAttention (score_mod for the gate bias, block mask for causal + padding);
     softmax-reference: eager n x n (reproducible); softmax-triton: the lab's kernel on the
@@ -645,6 +654,15 @@ class Config:
         """Known backend names (also from a saved config); none that can differ run to run under
         train.deterministic."""
         _check_literals(self, "", ("softmax_backend", "sigmoid_backend"))
+        hd = self.model.head_dim
+        for key in ("softmax_backend", "sigmoid_backend"):
+            name = getattr(self, key)
+            _check(
+                name not in TRITON_BACKENDS or hd in TRITON_HEAD_DIMS,
+                key,
+                f"{name!r} runs head dims {TRITON_HEAD_DIMS}, and d_model/n_heads = {hd}; use "
+                "auto (the eager reference for this head dim) or another model shape",
+            )
         why = NOT_DETERMINISTIC.get(self.softmax_backend)
         _check(
             not (self.train.deterministic and why),
@@ -681,13 +699,16 @@ class Config:
         )
 
     def backend_for(self, arm: str, cuda: bool) -> str:
-        """The registered attention backend of an arm or cell on this machine."""
+        """The registered attention backend of an arm or cell on this machine. ``auto`` takes a
+        Triton kernel only on CUDA and for a head dim it runs (``TRITON_HEAD_DIMS``), else the
+        eager reference (the smoke preset's head dim is 16)."""
+        fused = cuda and self.model.head_dim in TRITON_HEAD_DIMS
         if self.attention_of(arm) == "softmax":
             if self.softmax_backend != "auto":
                 return self.softmax_backend
-            return deterministic_softmax(cuda) if self.train.deterministic else "softmax"
+            return deterministic_softmax(fused) if self.train.deterministic else "softmax"
         if self.sigmoid_backend == "auto":
-            return "sigmoid-triton" if cuda else "sigmoid-reference"
+            return "sigmoid-triton" if fused else "sigmoid-reference"
         return self.sigmoid_backend
 
 

@@ -129,13 +129,39 @@ def test_a_section_added_later_is_checked_too():
         WithExtra(preset="smoke", extra=Extra(tau=math.nan))
 
 
+HEAD_DIM_64 = ("--model.d_model=128", "--model.n_heads=2")
+"""The smoke preset at a head dim the Triton kernels take (its own is 16)."""
+
+
+def test_auto_takes_a_triton_kernel_only_for_a_head_dim_it_runs():
+    """The smoke preset (head dim 16) on a GPU: the eager references under auto, for both arms,
+    deterministic or not; a Triton backend named for it is
+    refused before any work, naming the key. The config's list is the kernels' own."""
+    from stabilitylab.kernels.triton_support import SUPPORTED_HEAD_DIMS
+
+    assert C.TRITON_HEAD_DIMS == SUPPORTED_HEAD_DIMS
+    for det in ("False", "True"):
+        smoke = C.parse(["--preset", "smoke", f"--train.deterministic={det}"])
+        assert smoke.model.head_dim == 16
+        assert smoke.backend_for("sigmoid", cuda=True) == "sigmoid-reference"
+        want = "softmax-reference" if det == "True" else "softmax"
+        assert smoke.backend_for("softmax", cuda=True) == want
+        wide = C.parse(["--preset", "smoke", f"--train.deterministic={det}", *HEAD_DIM_64])
+        assert wide.backend_for("sigmoid", cuda=True) == "sigmoid-triton"
+    for key, name in (("sigmoid_backend", "sigmoid-triton"), ("sigmoid_backend", "sigmoid-triton-exact"),
+                      ("softmax_backend", "softmax-triton")):  # fmt: skip
+        with pytest.raises(C.ConfigError, match=f"config {key}: '{name}' runs head dims"):
+            C.parse(["--preset", "smoke", f"--{key}={name}"])
+        C.parse(["--preset", "smoke", f"--{key}={name}", *HEAD_DIM_64])
+
+
 def test_deterministic_picks_deterministic_backends_and_refuses_the_others_by_name():
     """train.deterministic: the auto backends resolve to deterministic kernels (the references on
     CPU); an explicit softmax backend that can differ run to run is refused before any work."""
     plain = C.parse(["--preset", "smoke"])
     assert plain.train.deterministic is False
     assert plain.backend_for("softmax", cuda=True) == "softmax"
-    det = C.parse(["--preset", "smoke", "--train.deterministic=True"])
+    det = C.parse(["--preset", "smoke", "--train.deterministic=True", *HEAD_DIM_64])
     assert det.backend_for("softmax", cuda=True) == "softmax-triton"
     assert det.backend_for("softmax", cuda=False) == "softmax-reference"
     assert det.backend_for("sigmoid", cuda=True) == "sigmoid-triton"
@@ -148,8 +174,9 @@ def test_deterministic_picks_deterministic_backends_and_refuses_the_others_by_na
             )
     for name in ("softmax-triton", "softmax-flash", "softmax-reference"):
         cfg = C.parse(
-            ["--preset", "smoke", "--train.deterministic=True", f"--softmax_backend={name}"]
-        )
+            ["--preset", "smoke", "--train.deterministic=True", f"--softmax_backend={name}",
+             *HEAD_DIM_64]
+        )  # fmt: skip
         assert cfg.backend_for("softmax", cuda=True) == name
     with pytest.raises(C.ConfigError, match="config train.deterministic: must be True or False"):
         C.TrainConfig(deterministic="yes")

@@ -249,3 +249,37 @@ def test_clipping_is_applied_only_when_asked(tmp_path):
     assert losses("loose", "--train.clip_grad=1e9") == off  # coefficient 1: the same update
     tight = losses("tight", "--train.clip_grad=1e-4")
     assert tight[0] == off[0] and tight[-1] != off[-1]
+
+
+CRASHING_RUN = """
+import sys
+from stabilitylab import attention
+from stabilitylab.cli import train_main
+
+calls, plain = [0], attention.get_backend("softmax")
+
+
+def crashing(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] > 20:
+        raise RuntimeError("injected failure in the attention backend")
+    return plain(*args, **kwargs)
+
+
+attention._BACKENDS["softmax"] = crashing
+sys.exit(train_main())
+"""
+
+
+def test_a_crash_with_loader_workers_exits_instead_of_hanging(tmp_path):
+    """An exception mid-run with DataLoader workers (the GPU default: 2) ends the process with the
+    traceback. The workers ignore SIGTERM, and the traceback kept their iterator alive until
+    exit, where multiprocessing waited on them forever (seen on the GPU)."""
+    script = tmp_path / "crashing_run.py"
+    script.write_text(CRASHING_RUN)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(script), "--preset", "smoke", "--arm=softmax", "--num_workers=2",
+           f"--out_dir={tmp_path}", "--report=False", "--train.steps=40"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "injected failure in the attention backend" in done.stderr

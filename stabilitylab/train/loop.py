@@ -264,10 +264,26 @@ class Progress:
 
 def _loop(a: Arm, loader, stopper: Stopper, progress: Progress) -> int:
     """Train from ``a.start``; returns the number of steps done when the loop ends."""
+    batches = iter(loader)
+    try:
+        return _steps(a, batches, stopper, progress)
+    finally:
+        close_batches(batches)
+
+
+def close_batches(batches) -> None:
+    """Stop a loader iterator's workers now. They ignore SIGTERM (``data.loader``), and an
+    exception's traceback keeps the iterator alive until the interpreter exits, where
+    multiprocessing's exit handler would wait on them forever: a crash would hang, not exit."""
+    shutdown = getattr(batches, "_shutdown_workers", None)  # the multi-worker iterator's own
+    if shutdown is not None:
+        shutdown()
+
+
+def _steps(a: Arm, batches, stopper: Stopper, progress: Progress) -> int:
     cfg, t, device = a.cfg, a.trainee, a.accelerator.device
     per_rank = cfg.train.global_batch // t.world
     step = a.start
-    batches = iter(loader)
     while step < cfg.train.steps:
         t0 = time.perf_counter()
         data = next(batches).to(device, non_blocking=True)
