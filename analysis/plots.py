@@ -1,4 +1,5 @@
-"""Figures: training curves like the paper's Figure 6, and a per-layer max-logit heatmap.
+"""Figures: training curves like the paper's Figure 6, a per-layer max-logit heatmap, and the
+repeats of a report pooled by group.
 
 Agg backend (no display needed). Non-finite points are dropped from the lines (a log axis
 cannot show them); the divergence line marks where they began. A missing tag leaves its panel
@@ -79,6 +80,56 @@ def curves_figure(
         ax.legend(title=None, fontsize=8)
     fig.suptitle("training curves (dashed: divergence step)")
     fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return notes
+
+
+GROUP_PANELS = [
+    (tags.LOSS, "loss (nats)", False),
+    (tags.GRAD_NORM, "global grad norm", True),
+    (tags.MAX_LOGIT, "max attention logit (all layers)", True),
+]
+
+
+def groups_figure(
+    df: pd.DataFrame,
+    groups: dict[tuple[str, str], str],
+    divergence: dict[tuple[str, str], int | None],
+    path: str | Path,
+) -> list[str]:
+    """Repeats pooled by group: one thin line per run in its group's colour, an x where a run
+    diverged (its last finite point at or before the divergence step). Panels: loss; grad norm
+    and the max attention logit over all layers, log y. Returns notes on panels left empty."""
+    names = sorted(set(groups.values()))
+    palette = dict(zip(names, sns.color_palette("tab10", len(names)), strict=True))
+    counts = pd.Series(list(groups.values())).value_counts()
+    fig, axes = plt.subplots(1, len(GROUP_PANELS), figsize=(5.2 * len(GROUP_PANELS), 4.0))
+    notes = []
+    for ax, (tag, title, log_y) in zip(np.atleast_1d(axes), GROUP_PANELS, strict=True):
+        sel = df[(df["tag"] == tag) & np.isfinite(df["value"])]
+        sel = sel[sel["value"] > 0] if log_y else sel
+        if sel.empty:
+            notes.append(f"no finite data for {tag}: panel '{title}' skipped")
+            _note(ax, notes[-1])
+            ax.set_title(title)
+            continue
+        for (run, arm), line in sel.groupby(["run", "arm"], sort=False):
+            colour = palette.get(groups.get((run, arm)), "grey")
+            ax.plot(line["step"], line["value"], color=colour, linewidth=0.8, alpha=0.8)
+            step = divergence.get((run, arm))
+            if step is not None and (line["step"] <= step).any():
+                last = line[line["step"] <= step].iloc[-1]
+                ax.plot(last["step"], last["value"], "x", color=colour, markersize=7, mew=1.6)
+        if log_y:
+            ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(tag)
+    handles = [plt.Line2D([], [], color=palette[g], label=f"{g} (n={counts[g]})") for g in names]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(names), 6), fontsize=8)
+    fig.suptitle("repeats by group (x: divergence)")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return notes

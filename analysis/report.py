@@ -11,7 +11,8 @@ report.md lists the early-transient failures apart from the rest. When the runs
 hold repeats of an arm (same arm and setting; seeds pool, see ``rates``), report.md opens with
 outcome rates per arm (fraction diverged, 95% Wilson interval, divergence steps) and the early
 warning over the repeats (lead, false-alarm rate on stable runs), also as rates.csv and
-warning_rates.csv; summary.csv gains a ``group`` column, and its first_warning leaves out any
+warning_rates.csv, with groups.png (the repeats pooled by group: loss, grad norm, max logit, an x
+at each divergence); summary.csv gains a ``group`` column, and its first_warning leaves out any
 precursor that fired on more than ``rates.FALSE_ALARM_MAX`` of the stable runs. Nothing missing
 passes silently: an arm without an event file, or whose event files hold no scalar, keeps its
 row (status from summary.json, else ``no data``) with a note; an event file cut mid-record is
@@ -50,7 +51,7 @@ BASIS_WORDS = {
     "arm": "stable runs of this group",
     "all stable runs": "stable runs of the report (this group has none)",
 }
-RATE_FILES = ("rates.csv", "warning_rates.csv")
+RATE_FILES = ("rates.csv", "warning_rates.csv", "groups.png")
 """Written as well when an arm was repeated (``rates``)."""
 WARNING_COLUMNS = ["run", "arm", "precursor", "tag", "step", "divergence_step", "lead_steps"]
 MECHANISM_COLUMNS = [
@@ -153,6 +154,10 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     }
     notes = plots.curves_figure(df, divergence, paths["figure.png"])
     notes += plots.logit_heatmap(df, paths["heatmap.png"])
+    if rates is not None:
+        keys = zip(summary["run"], summary["arm"], strict=True)
+        groups = dict(zip(keys, summary["group"], strict=True))
+        notes += plots.groups_figure(df, groups, divergence, paths["groups.png"])
 
     df.to_csv(paths["scalars.csv"], index=False)
     summary.to_csv(paths["summary.csv"], index=False)
@@ -298,7 +303,10 @@ def _markdown(summary, early, notes, found, missing, rates=None) -> str:
         lines.append("No precursor had data.")
     else:
         lines.append(markdown.table(early[WARNING_COLUMNS]))
-    lines += ["", "## Figures", "", "![curves](figure.png)", "", "![max logit](heatmap.png)", ""]
+    lines += ["", "## Figures", ""]
+    if rates is not None:
+        lines += ["![repeats by group](groups.png)", ""]
+    lines += ["![curves](figure.png)", "", "![max logit](heatmap.png)", ""]
     if notes:
         lines += ["Notes:", *[f"- {n}" for n in notes], ""]
     return "\n".join(lines)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 PRESET_NAMES = (
-    "stress_8k", "smoke", "proxy", "proxy_hot", "diverge_fast",  # the stress study
+    "stress_8k", "smoke", "proxy", "proxy_hot", "diverge_fast", "stress_8k_hot",  # stress study
     "tiny", "reduced", "paper",  # the KV-eviction study
 )  # fmt: skip
 """The keys of ``stabilitylab.presets.PRESETS``, in order (that module checks they agree)."""

@@ -124,6 +124,32 @@ def diverge_fast() -> Config:
     return cfg
 
 
+def stress_8k_hot() -> Config:
+    """The paper's model at 8K made unstable within minutes: paired, deterministic, fused kernels.
+
+    ``stress_8k`` (160M encoder, 8,192 tokens, no clipping, init and dropout as the paper's A.2)
+    with ``train.deterministic`` (softmax-triton and sigmoid-triton: one numerical skeleton, bit
+    for bit repeatable) and these departures from A.2, each to reach an unstable regime in ~250
+    steps: peak lr 1e-2 (A.2: 1e-4), warmup 100 steps (10K), weight decay 0 (0.1: with decoupled
+    decay it caps the logit growth, the ``diverge_fast`` finding), global batch 2 (256), 250 steps
+    (80K). Telemetry every step (logits every 5, layers every 10, probes every 50) so that the
+    report can say what the logits did before a divergence.
+
+    Measured on one H200 (docs/RESULTS.md, section 8; seeds 0-5): softmax-triton diverged in 2 of
+    6 seeds (steps 44, 45) after its max logit grew 50-370x; sigmoid-triton in 0 of 6, with max
+    logits up to 7e4. The same seeds through SDPA (``--train.deterministic=False``) diverged in 6
+    of 6. At lr 3e-3 nothing diverged (3 seeds per arm).
+    """
+    cfg = stress_8k()
+    cfg.preset, cfg.name = "stress_8k_hot", "stress_8k_hot"
+    t = cfg.train
+    t.deterministic, t.lr, t.warmup_steps, t.weight_decay = True, 1e-2, 100, 0.0
+    t.global_batch, t.micro_batch, t.steps, t.checkpoint_every, t.seed = 2, 1, 250, 0, 0
+    tel = cfg.telemetry
+    tel.log_every, tel.logit_every, tel.layer_every, tel.probe_every = 1, 5, 10, 50
+    return cfg
+
+
 # ---- the KV-eviction study: 8 cells of a causal decoder on text -------------------------------
 #
 # Source: ../shared/papers/sigmoid-attention-kv-eviction.txt (the paper) gives the model shape,
@@ -286,6 +312,7 @@ STRESS_PRESETS = {
     "proxy": proxy,
     "proxy_hot": proxy_hot,
     "diverge_fast": diverge_fast,
+    "stress_8k_hot": stress_8k_hot,
 }
 KV_PRESETS = {"tiny": kv_tiny, "reduced": kv_reduced, "paper": kv_paper}
 PRESETS = {**STRESS_PRESETS, **KV_PRESETS}
@@ -318,4 +345,5 @@ __all__ = [
     "proxy_hot",
     "smoke",
     "stress_8k",
+    "stress_8k_hot",
 ]

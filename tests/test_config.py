@@ -38,6 +38,23 @@ def test_diverge_fast_is_the_measured_hunt_setting():
     assert strip(preset) == strip(hunt)
 
 
+def test_stress_8k_hot_is_the_measured_setting():
+    """The preset must resolve to exactly the overrides the 8K runs of docs/RESULTS.md, section 8
+    ran with (``experiments/sweep.py --preset stress_8k`` and these), at seed 0."""
+    runs = C.parse(
+        ["--preset", "stress_8k", "--train.deterministic=True", "--train.weight_decay=0.0",
+         "--train.warmup_steps=100", "--train.global_batch=2", "--train.micro_batch=1",
+         "--train.steps=250", "--train.checkpoint_every=0", "--train.on_divergence=stop",
+         "--telemetry.log_every=1", "--telemetry.logit_every=5", "--telemetry.layer_every=10",
+         "--telemetry.probe_every=50", "--train.lr=0.01", "--train.seed=0"]
+    )  # fmt: skip
+    preset = C.parse(["--preset", "stress_8k_hot"])
+    strip = lambda c: {k: v for k, v in C.to_dict(c).items() if k not in ("preset", "name")}
+    assert strip(preset) == strip(runs)
+    assert preset.backend_for("softmax", cuda=True) == "softmax-triton"
+    assert preset.backend_for("sigmoid", cuda=True) == "sigmoid-triton"
+
+
 def test_overrides_are_typed():
     cfg = C.parse(
         [
@@ -229,7 +246,12 @@ def test_help_lists_the_presets_and_explains_every_key(capsys, monkeypatch):
     text = " ".join(capsys.readouterr().out.replace("\u2502", " ").split())
     for name in C.PRESETS:
         assert f"{name} {C.preset_summary(name)}" in text
-    assert "--preset {" + ",".join(C.PRESETS) + "}" in text
+    # The choice list, read where tyro draws one column (at 250 it wraps inside a column).
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        C.parse(["--preset", "smoke", "--help"])
+    one_column = " ".join(capsys.readouterr().out.replace("\u2502", " ").split())
+    assert "--preset {" + ",".join(C.PRESETS) + "}" in one_column
     sections = {
         f.name: type(getattr(C.Config(), f.name)).__name__ for f in dataclasses.fields(C.Config)
     }

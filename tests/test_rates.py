@@ -9,6 +9,7 @@ import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -271,6 +272,8 @@ def test_report_over_repeats_writes_rates_and_skips_noisy_precursors(tmp_path):
     assert named.notna().all() and not named.str.startswith("logit_runaway").any()
     text = paths["report.md"].read_text()
     assert "## Outcome rates over repeats" in text and "## Early warning over repeats" in text
+    assert paths["groups.png"].read_bytes()[:4] == b"\x89PNG" and "(groups.png)" in text
+    assert "no finite data" not in text  # every panel of both figures had its tag
     assert (
         "- `logit_runaway/layer_0` for `softmax`: fired on 2 of 2 stable runs of this group, "
         "100% > 20%" in text
@@ -326,3 +329,21 @@ def test_sweep_refuses_bad_repeats(sweep_script, capsys, argv, match):
         sweep_script.parse_args(["--name", "rep", "--lr", "0.1", *argv])
     assert exit_info.value.code == 2
     assert re.search(match, capsys.readouterr().err)
+
+
+def test_the_groups_figure_says_which_panel_had_no_data(tmp_path):
+    """A group figure over runs without the all-layer max-logit tag draws the other panels and
+    returns a note naming the missing tag (the report prints it)."""
+    from stabilitylab import tags
+    from stabilitylab.analysis import plots
+
+    steps = np.arange(4)
+    df = pd.DataFrame(
+        [{"run": f"r{s}", "arm": "softmax", "step": int(t), "tag": tag, "value": 1.0 + t}
+         for s in range(2) for t in steps for tag in (tags.LOSS, tags.GRAD_NORM)]
+    )  # fmt: skip
+    groups = {("r0", "softmax"): "softmax", ("r1", "softmax"): "softmax"}
+    notes = plots.groups_figure(df, groups, {("r0", "softmax"): 2}, tmp_path / "g.png")
+    assert notes == [f"no finite data for {tags.MAX_LOGIT}: panel 'max attention logit (all "
+                     "layers)' skipped"]  # fmt: skip
+    assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
