@@ -327,9 +327,10 @@ class TrainConfig:
     """The fast step (stabilitylab.train.fast): the model compiled with fullgraph=True (a graph
     break falls back, its reason printed), the loss through the chunked cross-entropy (no full
     logits), the one-pass q/k/v gradient. The same function as the eager step, rounded
-    differently (and dropout drawn by inductor's RNG). Off by default in every preset until its
-    200-step comparison with the eager step (experiments/bench/fast_vs_eager.py) is recorded on
-    the GPU; --train.fast=True turns it on. A resumed run may switch it."""
+    differently (and dropout drawn by inductor's RNG). Off by default in every preset: in its
+    200-step comparison with the eager step on the GPU (experiments/bench/fast_vs_eager.py,
+    docs/BENCHMARKS.md) the smoke curves moved 1.2-1.5%, with no bf16 noise yardstick beside them
+    yet; --train.fast=True turns it on. A resumed run may switch it."""
     peak_tflops: float | None = None
     """Peak dense bf16 TFLOPS for MFU; None = from the GPU name (H100/H200: 989)."""
     budget_lambda: float = 0.03

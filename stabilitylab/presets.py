@@ -28,7 +28,7 @@ def stress_8k() -> Config:
     """The paper's stress test (section 5.3, A.2): 160M encoder, 8K context, no clipping.
 
     --train.fast=True takes the fast step (stabilitylab.train.fast; docs/BENCHMARKS.md, "Where the
-    160M@8K step goes"); off by default until it is compared with the eager step on the GPU.
+    160M@8K step goes"); off by default (config.TrainConfig.fast says why).
     """
     return Config(preset="stress_8k", name="stress_8k")
 

@@ -208,3 +208,28 @@ def test_curve_gap():
     assert curve_gap([1.0, float("nan")], [1.0, 1.0])["tail_rel"] == math.inf
     with pytest.raises(ValueError, match="tail"):
         curve_gap([1.0], [1.0], tail=0)
+
+
+def test_fast_vs_eager_splits_the_micro_batch_for_its_rounding_yardstick():
+    """experiments/bench/fast_vs_eager.py: the yardstick run is the eager step with half the
+    preset's micro-batch (same global batch); a preset with micro-batch 1 has nothing to split."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "bench" / "fast_vs_eager.py"
+    spec = importlib.util.spec_from_file_location("fast_vs_eager", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.run_overrides("smoke", "fast") == ["--train.fast=True"]
+    assert script.run_overrides("smoke", "eager_again") == ["--train.fast=False"]
+    split = script.run_overrides("smoke", "eager_split")
+    assert split == [
+        "--train.fast=False",
+        f"--train.micro_batch={PRESETS['smoke']().train.micro_batch // 2}",
+    ]
+    cfg = C.parse(["--preset", "smoke", *split])  # a valid split: the global batch divides
+    assert cfg.train.global_batch % cfg.train.micro_batch == 0
+    with pytest.raises(ValueError, match="micro_batch 1: nothing to split"):
+        script.run_overrides("stress_8k", "eager_split")
+    with pytest.raises(ValueError, match="unknown run kind 'slow'"):
+        script.run_overrides("smoke", "slow")
