@@ -331,3 +331,25 @@ def test_exact_backend_asks_the_kernel_for_the_exact_sigmoid(monkeypatch):
     get_backend("sigmoid-triton")(q, k, v, lengths)
     get_backend("sigmoid-triton-exact")(q, k, v, lengths)
     assert seen == [False, True]
+
+
+def test_sdpa_kernel_choice_names_what_the_dispatcher_picks(monkeypatch):
+    """The provenance record of the SDPA kernel: the dispatcher's number by name, the mask the
+    softmax backend would pass (none when unpadded), and 'unknown' without the private hook."""
+    from stabilitylab import attention
+
+    seen = []
+
+    def fake_choice(q, k, v, mask, dropout_p, is_causal):
+        seen.append((mask is None, is_causal))
+        return 3 if mask is None else 2
+
+    monkeypatch.setattr(torch, "_fused_sdp_choice", fake_choice, raising=False)
+    got = attention.sdpa_kernels(2, 3, 16, 8, torch.float32, "cpu", causal=True)
+    assert got == {"unpadded": "cudnn", "padded": "efficient"}
+    assert seen == [(True, True), (False, False)]  # causal goes in the mask once padded
+    monkeypatch.delattr(torch, "_fused_sdp_choice")
+    assert attention.sdpa_kernels(1, 1, 8, 8, torch.float32, "cpu", causal=False) == {
+        "unpadded": "unknown",
+        "padded": "unknown",
+    }

@@ -13,6 +13,7 @@ import torch
 
 from stabilitylab import cli, tags
 from stabilitylab import config as C
+from stabilitylab.attention import SDPA_KERNELS
 from stabilitylab.cli import train_main
 from stabilitylab.train import build, run
 from stabilitylab.train.checkpoint import read_state
@@ -68,6 +69,13 @@ def test_paired_smoke_run_writes_everything(tmp_path):
         prov = json.loads((d / "provenance.json").read_text())
         assert prov["torch"] == torch.__version__ and "git_commit" in prov and "git_dirty" in prov
         assert prov["autotune"] == {}  # the CPU interpreter does not autotune
+        # Which SDPA kernel each call form of the softmax backend dispatched to, at this shape.
+        kernels = prov["sdpa_kernels"]
+        if arm == "softmax":
+            assert set(kernels) == {"unpadded", "padded"}
+            assert set(kernels.values()) <= set(SDPA_KERNELS.values())
+        else:
+            assert kernels is None
         assert len(list(d.glob("events.out.tfevents.*"))) == 1
         assert last_state(d)["step"] == 30
         vocab = json.loads((d / "vocab.json").read_text())

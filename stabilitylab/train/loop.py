@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from stabilitylab import runs
+from stabilitylab.attention import sdpa_kernels
 from stabilitylab.config import Config, ConfigError
 from stabilitylab.data import build_source
 from stabilitylab.data.batch import Batch
@@ -392,12 +393,25 @@ def _finish(a: Arm, step: int, interrupted: bool) -> dict:
             a.dir,
             autotune=autotune_choices(),
             fast_path=None if fast is None else {"mode": fast.mode, "note": fast.note},
+            sdpa_kernels=_sdpa_kernels(a) if a.backend == "softmax" else None,
         )
     accelerator.wait_for_everyone()
     # Accelerate keeps every prepared model and optimizer; drop this arm's so that the next arm
     # (same process) neither carries its memory nor counts it in its own peak.
     accelerator.free_memory()
     return summary
+
+
+def _sdpa_kernels(a: Arm) -> dict[str, str]:
+    """The SDPA kernels an arm on the ``softmax`` backend ran at its micro-batch shape, in the
+    dtype autocast gave them (``attention.sdpa_kernels``)."""
+    cfg, m = a.cfg, a.cfg.model
+    bf16 = a.accelerator.mixed_precision == "bf16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return sdpa_kernels(
+        cfg.train.micro_batch, m.n_heads, cfg.data.context_len, m.head_dim, dtype,
+        a.accelerator.device, causal=cfg.task == "lm",
+    )  # fmt: skip
 
 
 def train_arm(cfg: Config, arm: str, data: TaskData | None = None) -> dict:
