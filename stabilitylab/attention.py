@@ -190,29 +190,39 @@ SDPA_KERNELS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overridea
 """``torch.nn.attention.SDPBackend``'s values by name, as ``torch._fused_sdp_choice`` returns them."""
 
 
-def sdpa_kernel_choice(q_BHTD: torch.Tensor, lengths_B: torch.Tensor, causal: bool) -> str:
+def sdpa_kernel_choice(
+    q_BHTD: torch.Tensor, lengths_B: torch.Tensor, causal: bool, bias_BH1T=None
+) -> str:
     """The kernel PyTorch's SDPA dispatcher picks for the ``softmax`` backend's call on inputs
-    shaped like ``q_BHTD`` with these lengths (the mask ``sdpa_mask`` builds, no key bias):
+    shaped like ``q_BHTD`` with these lengths and key bias (the mask ``sdpa_mask`` builds):
     ``torch._fused_sdp_choice`` (private; ``unknown`` where it is missing or says another)."""
     choice = getattr(torch, "_fused_sdp_choice", None)
     if choice is None:
         return "unknown"
-    mask = sdpa_mask(lengths_B, q_BHTD.shape[2], causal, None, q_BHTD.dtype)
+    mask = sdpa_mask(lengths_B, q_BHTD.shape[2], causal, bias_BH1T, q_BHTD.dtype)
     picked = choice(q_BHTD, q_BHTD, q_BHTD, mask, 0.0, causal and mask is None)
     return SDPA_KERNELS.get(int(picked), "unknown")
 
 
-def sdpa_kernels(B: int, H: int, T: int, D: int, dtype, device, causal: bool) -> dict[str, str]:
+def sdpa_kernels(
+    B: int, H: int, T: int, D: int, dtype, device, causal: bool, key_bias: bool = False
+) -> dict[str, str]:
     """The SDPA kernel of each call form the ``softmax`` backend makes at this shape: a batch
-    with no padding (no mask) and one with (a boolean mask). They can differ: a run with jagged
-    lengths mixes them. For provenance: which kernel ran, when a softmax run fails."""
+    with no padding (no mask) and one with (a boolean mask); with ``key_bias`` (a gated model:
+    its layers after the first add the gates' key bias) the same two with the additive mask too.
+    They can differ: a run with jagged lengths mixes them. For provenance: which kernel ran,
+    when a softmax run fails."""
     q_BHTD = torch.zeros(B, H, T, D, dtype=dtype, device=device)
     full_B = torch.full((B,), T, device=device)
     padded_B = full_B.clone()
     padded_B[-1] = max(1, T - 1)
+    biases = {"": None}
+    if key_bias:
+        biases[", key bias"] = torch.zeros(B, H, 1, T, dtype=dtype, device=device)
     return {
-        "unpadded": sdpa_kernel_choice(q_BHTD, full_B, causal),
-        "padded": sdpa_kernel_choice(q_BHTD, padded_B, causal),
+        f"{form}{suffix}": sdpa_kernel_choice(q_BHTD, lengths_B, causal, bias_BH1T)
+        for suffix, bias_BH1T in biases.items()
+        for form, lengths_B in (("unpadded", full_B), ("padded", padded_B))
     }
 
 

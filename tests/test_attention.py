@@ -348,6 +348,12 @@ def test_sdpa_kernel_choice_names_what_the_dispatcher_picks(monkeypatch):
     got = attention.sdpa_kernels(2, 3, 16, 8, torch.float32, "cpu", causal=True)
     assert got == {"unpadded": "cudnn", "padded": "efficient"}
     assert seen == [(True, True), (False, False)]  # causal goes in the mask once padded
+    # A gated model's layers add a key bias: the additive mask, padded or not, is a form too.
+    seen.clear()
+    got = attention.sdpa_kernels(2, 3, 16, 8, torch.float32, "cpu", causal=False, key_bias=True)
+    assert got == {"unpadded": "cudnn", "padded": "efficient",
+                   "unpadded, key bias": "efficient", "padded, key bias": "efficient"}  # fmt: skip
+    assert seen == [(True, False), (False, False), (False, False), (False, False)]
     monkeypatch.delattr(torch, "_fused_sdp_choice")
     assert attention.sdpa_kernels(1, 1, 8, 8, torch.float32, "cpu", causal=False) == {
         "unpadded": "unknown",

@@ -411,6 +411,7 @@ def _sdpa_kernels(a: Arm) -> dict[str, str]:
     return sdpa_kernels(
         cfg.train.micro_batch, m.n_heads, cfg.data.context_len, m.head_dim, dtype,
         a.accelerator.device, causal=cfg.task == "lm",
+        key_bias=m.gates and m.gate_injection != "values",
     )  # fmt: skip
 
 
