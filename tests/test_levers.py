@@ -2,6 +2,8 @@
 of the benchmark's step computes the eager step's loss and gradients (CPU; compile through
 torch.compile's aot_eager backend, which traces as inductor does without generating code)."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,7 @@ from stabilitylab.train.levers import (
     build_rig,
     deterministic_backend,
     parse_variants,
+    prepare_variants,
     synthetic_batch,
     variant_levers,
 )
@@ -141,6 +144,21 @@ def test_variants_parse_and_name_unknowns():
     assert variant_levers("det-all") == {*LEVERS, DETERMINISTIC}
     with pytest.raises(ValueError, match="'fast'"):
         parse_variants(["eager", "fast"])
+
+
+def test_preparing_a_deterministic_variant_sets_the_cublas_workspace(monkeypatch):
+    """The benchmarks' start: the cuBLAS workspace only when a deterministic variant is asked for
+    (as train.deterministic sets it), unknown names refused before it."""
+    from stabilitylab.determinism import CUBLAS_WORKSPACE
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert prepare_variants(["eager", "all"]) == ["eager", "all"]
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    with pytest.raises(ValueError, match="'fast'"):
+        prepare_variants(["det", "fast"])
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    assert prepare_variants(["eager", "det-all"]) == ["eager", "det-all"]
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE
 
 
 def test_a_larger_synthetic_batch_extends_a_smaller_one():

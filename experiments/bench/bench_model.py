@@ -37,7 +37,6 @@ import time
 import torch
 
 from stabilitylab.config import stress_8k
-from stabilitylab.determinism import set_cublas_workspace
 from stabilitylab.model import (
     count_parameters,
     dense_parameter_count,
@@ -46,12 +45,10 @@ from stabilitylab.model import (
     head_parameter_count,
 )
 from stabilitylab.train.levers import (
-    DETERMINISTIC,
     VARIANTS,
     StepRig,
     build_rig,
-    parse_variants,
-    variant_levers,
+    prepare_variants,
 )
 
 KINDS = {
@@ -164,13 +161,11 @@ def main() -> None:
     )
     args = ap.parse_args()
     try:
-        variants = parse_variants(args.variants)
+        variants = prepare_variants(args.variants)
     except ValueError as e:
         raise SystemExit(f"error: --variants: {e}") from None
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_model.py needs a CUDA GPU")
-    if any(DETERMINISTIC in variant_levers(v) for v in variants):
-        set_cublas_workspace()  # as train.deterministic: before the first matmul
     cfg = stress_8k()
     cfg.data.context_len = args.context
     rows, entries, skipped = bench(

@@ -30,15 +30,12 @@ from stabilitylab.analysis.step_profile import (
     to_markdown,
 )
 from stabilitylab.config import stress_8k
-from stabilitylab.determinism import set_cublas_workspace
 from stabilitylab.presets import smoke
 from stabilitylab.train.levers import (
-    DETERMINISTIC,
     VARIANTS,
     StepRig,
     build_rig,
-    parse_variants,
-    variant_levers,
+    prepare_variants,
 )
 
 
@@ -100,7 +97,7 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="also write Chrome traces (large)")
     args = ap.parse_args()
     try:
-        variants = parse_variants(args.variants)
+        variants = prepare_variants(args.variants)
     except ValueError as e:
         raise SystemExit(f"error: --variants: {e}") from None
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -109,8 +106,6 @@ def main() -> None:
         raise SystemExit(
             f"error: --steps must be >= 1, --warmup >= 0 (got {args.steps}, {args.warmup})"
         )
-    if any(DETERMINISTIC in variant_levers(v) for v in variants):
-        set_cublas_workspace()  # as train.deterministic: before the first matmul
     cfg = config(args.tiny, args.context)
     args.out.mkdir(parents=True, exist_ok=True)
     tables, skipped = [], []

@@ -50,7 +50,7 @@ from torch.profiler import record_function
 from stabilitylab.attention import compiled_lengths_hint
 from stabilitylab.chunked_loss import linear_cross_entropy_sum
 from stabilitylab.config import NOT_DETERMINISTIC, Config, deterministic_softmax
-from stabilitylab.determinism import deterministic_mode
+from stabilitylab.determinism import deterministic_mode, set_cublas_workspace
 from stabilitylab.model import Transformer, masked_lm_loss_sum, vocab_size_for
 from stabilitylab.telemetry import LayerStatsMonitor, LogitMonitor, global_grad_norm
 from stabilitylab.train.build import make_optimizer
@@ -96,6 +96,15 @@ def parse_variants(names: list[str]) -> list[str]:
     for n in names:
         variant_levers(n)
     return list(dict.fromkeys(names))
+
+
+def prepare_variants(names: list[str]) -> list[str]:
+    """``parse_variants``, and when one of them is deterministic the cuBLAS workspace that
+    ``train.deterministic`` sets (before the process's first matmul): the benchmarks' start."""
+    variants = parse_variants(names)
+    if any(DETERMINISTIC in variant_levers(v) for v in variants):
+        set_cublas_workspace()
+    return variants
 
 
 def synthetic_batch(B: int, T: int, vocab: int, device, seed: int = 0):
