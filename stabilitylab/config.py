@@ -326,11 +326,14 @@ class TrainConfig:
     fast: bool = False
     """The fast step (stabilitylab.train.fast): the model compiled with fullgraph=True (a graph
     break falls back, its reason printed), the loss through the chunked cross-entropy (no full
-    logits), the one-pass q/k/v gradient. The same function as the eager step, rounded
-    differently (and dropout drawn by inductor's RNG). Off by default in every preset: in its
-    200-step comparison with the eager step on the GPU (experiments/bench/fast_vs_eager.py,
-    docs/BENCHMARKS.md) the smoke curves moved 1.2-1.5%, with no bf16 noise yardstick beside them
-    yet; --train.fast=True turns it on. A resumed run may switch it."""
+    logits), the head's rows padded to a multiple of 64, the one-pass q/k/v gradient. The same
+    function as the eager step, rounded differently (and dropout drawn by inductor's RNG): over
+    200 steps on the GPU its curves moved by as much as the eager step's own rounding yardstick
+    (experiments/bench/fast_vs_eager.py, docs/BENCHMARKS.md). On in ``stress_8k``, the 8K job it
+    was measured for; off in the other presets, whose recorded results ran the eager step (the
+    sweeps, the divergence presets), which run deterministic (stress_8k_hot), or whose gated
+    decoder has not run it on a GPU (the KV presets). --train.fast=True / False switches it; a
+    resumed run may switch it."""
     peak_tflops: float | None = None
     """Peak dense bf16 TFLOPS for MFU; None = from the GPU name (H100/H200: 989)."""
     budget_lambda: float = 0.03

@@ -133,6 +133,11 @@ def head_linear(
 # ---- modules ----------------------------------------------------------------------------------
 
 
+HEAD_ROW_MULTIPLE = 64
+"""The head's rows padded to this multiple where speed is asked for (44,003 -> 44,032): the fast
+step (``train.fast``) and the ``pad-vocab`` lever."""
+
+
 class Head(nn.Linear):
     """The output head: an ``nn.Linear`` (same parameters, same state dict) whose GEMM runs on
     rows padded to ``row_multiple`` (``head_linear``; 1 = no padding). A speed setting, not part

@@ -6,6 +6,7 @@ cores and no promise of a C compiler)."""
 
 import json
 import math
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -177,18 +178,22 @@ def test_the_triton_kernel_arm_compiles_once_for_jagged_lengths(monkeypatch):
     assert f.mode == "fullgraph" and counter.frame_count == 1
 
 
-def test_every_preset_defaults_to_the_eager_step_and_one_flag_turns_the_fast_one_on():
+def test_stress_8k_alone_defaults_to_the_fast_step_and_one_flag_switches_it():
     for name, make in PRESETS.items():
-        assert make().train.fast is False, name
-    assert C.parse(["--preset", "stress_8k", "--train.fast=True"]).train.fast is True
+        assert make().train.fast is (name == "stress_8k"), name
+    assert C.parse(["--preset", "stress_8k", "--train.fast=False"]).train.fast is False
+    assert C.parse(["--preset", "proxy", "--train.fast=True"]).train.fast is True
+    assert C.parse(["--preset", "stress_8k_hot"]).train.deterministic is True
 
 
 def test_fast_refuses_what_it_cannot_keep():
     with pytest.raises(C.ConfigError, match="train.fast"):
         C.parse(["--preset", "stress_8k", "--train.deterministic=True", "--train.fast=True"])
+    with pytest.raises(C.ConfigError, match="--train.fast=False with --train.deterministic=True"):
+        C.parse(["--preset", "stress_8k", "--train.deterministic=True"])  # the preset's fast step
     with pytest.raises(C.ConfigError, match="train.compile"):
         C.parse(["--preset", "proxy", "--train.compile=True", "--train.fast=True"])
-    C.parse(["--preset", "stress_8k", "--train.deterministic=True"])
+    C.parse(["--preset", "stress_8k", "--train.deterministic=True", "--train.fast=False"])
 
 
 def test_a_run_from_before_the_flag_resumes_with_it_on():
@@ -233,3 +238,31 @@ def test_fast_vs_eager_splits_the_micro_batch_for_its_rounding_yardstick():
         script.run_overrides("stress_8k", "eager_split")
     with pytest.raises(ValueError, match="unknown run kind 'slow'"):
         script.run_overrides("smoke", "slow")
+
+
+def test_the_fast_step_pads_the_head_and_the_eager_step_does_not(monkeypatch):
+    """train.fast runs the head on rows padded to HEAD_ROW_MULTIPLE (the vocabulary, 515 here, is
+    no multiple of 8), in the compiled step's loss as in the plain module; the eager step keeps 1."""
+    from accelerate import Accelerator
+
+    from stabilitylab.model import HEAD_ROW_MULTIPLE
+    from stabilitylab.train import build
+
+    seen = []
+    real = fast.linear_cross_entropy_sum
+    monkeypatch.setattr(
+        fast, "linear_cross_entropy_sum",
+        lambda *a, **kw: seen.append(kw.get("row_multiple")) or real(*a, **kw),
+    )  # fmt: skip
+    for on in (False, True):
+        cfg = C.parse(["--preset", "smoke", f"--train.fast={on}"])
+        model = build.build_model(cfg, "sigmoid-reference", 512 + C.N_SPECIAL_TOKENS)
+        t = build.prepare(cfg, Accelerator(cpu=True), model, accum=1)
+        assert t.raw.head.row_multiple == (HEAD_ROW_MULTIPLE if on else 1), on
+        if on:
+            tokens_BT = torch.randint(3, 515, (1, 16))
+            labels_BT = torch.where(tokens_BT > 200, tokens_BT, -100)
+            b = Batch(tokens_BT, labels_BT, torch.tensor([16]), [0])
+            total = fast.summed_ce_fast(t.fast, t.raw, b, [16], nullcontext)
+            assert torch.isfinite(total)
+    assert seen == [HEAD_ROW_MULTIPLE]

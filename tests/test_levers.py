@@ -14,6 +14,7 @@ from stabilitylab.config import ModelConfig
 from stabilitylab.model import Transformer, masked_lm_loss_sum, split_qkv_heads
 from stabilitylab.presets import smoke
 from stabilitylab.train.levers import (
+    ACCUM_MICRO_BATCHES,
     ALTERNATIVES,
     COMPILED,
     DETERMINISTIC,
@@ -299,3 +300,30 @@ def test_variants_match_eager_on_gpu(arm, monkeypatch):
         if variant == "det":
             want = "softmax-triton" if arm == "softmax" else arm
             assert rig.label == f"{want} / det", rig.label
+
+
+def test_levers_join_with_plus_and_unknown_parts_are_named():
+    assert variant_levers("compile+mb2") == {"compile", "mb2"}
+    assert variant_levers("all+autotune") == {*LEVERS, "autotune"}
+    assert "accum" in variant_levers("all") and "autotune" not in variant_levers("all")
+    with pytest.raises(ValueError, match="'mb3'"):
+        parse_variants(["compile+mb3"])
+    with pytest.raises(ValueError, match="'det'"):
+        parse_variants(["all+det"])
+
+
+def test_accum_steps_the_mean_of_its_micro_batches():
+    """accum: ACCUM_MICRO_BATCHES forward/backward passes per update, whose summed gradient is
+    the mean of theirs, i.e. (the micro-batch being the same) eager's gradient: the same update,
+    the same loss."""
+    cfg = smoke()
+    rigs = {v: build_rig(cfg, "sigmoid-reference", v, "cpu") for v in ("eager", "accum")}
+    assert rigs["accum"].micro_batches == ACCUM_MICRO_BATCHES > 1
+    assert rigs["eager"].micro_batches == 1
+    calls = []
+    rigs["accum"].model.register_forward_hook(lambda *_: calls.append(1))
+    losses = {v: r.step() for v, r in rigs.items()}
+    assert len(calls) == ACCUM_MICRO_BATCHES
+    torch.testing.assert_close(losses["accum"], losses["eager"], rtol=1e-5, atol=1e-6)
+    for pa, pe in zip(rigs["accum"].params, rigs["eager"].params, strict=True):
+        torch.testing.assert_close(pa, pe, rtol=1e-4, atol=1e-6)

@@ -7,7 +7,8 @@ memory per arm, and the cost of the default telemetry.
         pad-vocab all det det-all
 
 Variants (stabilitylab/train/levers.py): ``eager`` (today's step), each speed lever alone
-(``compile``, ``mb2``, ``chunked-ce``, ``no-copies``, ``pad-vocab``), ``all`` of them, and the
+(``compile``, ``mb2``, ``chunked-ce``, ``no-copies``, ``pad-vocab``, ``accum``), ``all`` of them,
+levers joined by ``+`` (``compile+mb2+pad-vocab``, ``all+autotune``), and the
 deterministic ``det`` (eager) and ``det-all`` (all levers): the step under
 ``torch.use_deterministic_algorithms(True)`` for that row's steps only, as train.deterministic
 runs it, with its backend (softmax -> softmax-triton, sigmoid-triton with its pinned configs).
@@ -23,7 +24,8 @@ the masked-token loss needs. A variant that skips the head on unlabelled rows (`
 rows by ``mfu_labelled`` (or by step time). Padded rows (``pad-vocab``) are never counted.
 
 One optimizer step = forward + backward + AdamW on one micro-batch of full-length sequences
-(bf16 autocast). Telemetry overhead: the extra time of a step that records max |logit| and of one
+(bf16 autocast), or on ``ACCUM_MICRO_BATCHES`` of them with ``accum``; ``B`` counts the sequences
+of a step, ``ms_per_seq`` is the step over ``B``. Telemetry overhead: the extra time of a step that records max |logit| and of one
 that measures per-layer norms, amortised over the default cadences (every 50 steps), plus the
 global grad norm taken every step; target <= 3% of step time. Results go to docs/BENCHMARKS.md.
 """
@@ -92,9 +94,10 @@ def summarise(cfg, entry: dict, peak_tflops: float, every: int = 50) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     t_bare = med["bare"]
     B, T = rig.batch[0].shape
+    B *= rig.micro_batches  # sequences per optimizer step
     n_dense = dense_parameter_count(rig.model)
     flops = flops_per_step(cfg.model, n_dense, [T] * B)
-    n_labelled = int((rig.batch[2] != -100).sum())
+    n_labelled = int((rig.batch[2] != -100).sum()) * rig.micro_batches
     n_head = head_parameter_count(rig.model)
     flops_labelled = flops_per_step_labelled(cfg.model, n_dense, n_head, [T] * B, n_labelled)
     row = {
@@ -103,6 +106,7 @@ def summarise(cfg, entry: dict, peak_tflops: float, every: int = 50) -> dict:
         "B": B,
         "T": T,
         "step_ms": t_bare * 1e3,
+        "ms_per_seq": t_bare * 1e3 / B,
         "tokens_per_s": B * T / t_bare,
         "mfu": flops / t_bare / (peak_tflops * 1e12),
         "mfu_labelled": flops_labelled / t_bare / (peak_tflops * 1e12),

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from stabilitylab.config import Config, ConfigError
-from stabilitylab.model import Transformer
+from stabilitylab.model import HEAD_ROW_MULTIPLE, Transformer
 from stabilitylab.telemetry import trackers_for
 from stabilitylab.train.fast import FastForward
 
@@ -141,7 +141,8 @@ class Trainee:
 
 
 def prepare(cfg: Config, accelerator, model: torch.nn.Module, accum: int) -> Trainee:
-    """The arm's Trainee. ``train.fast``: the one-pass q/k/v gradient on, and the prepared model
+    """The arm's Trainee. ``train.fast``: the one-pass q/k/v gradient on, the head's rows padded
+    (``HEAD_ROW_MULTIPLE``), and the prepared model
     wrapped by ``torch.compile`` for the step's forward (``FastForward``); ``model`` itself
     stays eager."""
     optimizer = make_optimizer(cfg, model)
@@ -149,6 +150,7 @@ def prepare(cfg: Config, accelerator, model: torch.nn.Module, accum: int) -> Tra
         model.compile()  # in place: DDP wraps it as usual and the hooks see the same modules
     if cfg.train.fast:
         model.set_one_pass_qkv_grad(True)
+        model.set_head_row_multiple(HEAD_ROW_MULTIPLE)
     model, optimizer = accelerator.prepare(model, optimizer)
     raw = accelerator.unwrap_model(model)
     fast = None
@@ -156,7 +158,8 @@ def prepare(cfg: Config, accelerator, model: torch.nn.Module, accum: int) -> Tra
         fast = FastForward(model, say=accelerator.print)
         accelerator.print(
             "fast path: torch.compile (fullgraph, dynamic sequence length), chunked "
-            "cross-entropy, one-pass q/k/v gradient (--train.fast=False: the eager step)"
+            "cross-entropy, head rows padded to a multiple of 64, one-pass q/k/v gradient "
+            "(--train.fast=False: the eager step)"
         )
     return Trainee(
         accelerator=accelerator,

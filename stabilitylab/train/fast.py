@@ -18,6 +18,10 @@ bench_model.py``, docs/BENCHMARKS.md), each the same function as the eager step:
   both tasks take it. It costs one host sync per micro-batch (the labelled rows size a gather).
 - the one-pass q/k/v gradient (``Transformer.set_one_pass_qkv_grad``): the same values bit for
   bit.
+- the head's GEMMs on rows padded to ``model.HEAD_ROW_MULTIPLE`` (``Transformer.
+  set_head_row_multiple``, the chunked loss's ``row_multiple``): a vocabulary that is no multiple
+  of 8 (44,003) otherwise runs on cuBLAS's alignment-1 kernels. Parameters and checkpoints are
+  unchanged.
 
 Shapes: the sequence dimension of the tokens is marked dynamic (``maybe_mark_dynamic``), so
 jagged batches (every cell batch is as long as its longest cell) share one graph instead of one
@@ -119,4 +123,6 @@ def summed_ce_fast(
     h_BTC = fast(b, host_lengths)
     head = raw.head
     with autocast():
-        return linear_cross_entropy_sum(h_BTC, head.weight, head.bias, b.labels_BT)
+        return linear_cross_entropy_sum(
+            h_BTC, head.weight, head.bias, b.labels_BT, row_multiple=head.row_multiple
+        )

@@ -7,7 +7,8 @@ summed masked-token loss over the labelled count, backward, global grad norm, ``
 AdamW, ``zero_grad``, one host read. Its phases are marked with ``record_function`` (``forward``,
 ``loss``, ``backward``, ``optimizer``) for ``stabilitylab.analysis.step_profile``.
 
-Levers (a variant is ``eager``, one lever alone, or ``all`` of ``LEVERS``):
+Levers (a variant is ``eager``, one lever alone, ``all`` of ``LEVERS``, or levers joined by
+``+``, e.g. ``compile+mb2``; ``all`` may be one of them: ``all+autotune``):
 
 - ``compile``: ``model.compile(fullgraph=True, dynamic=False)`` (static shapes: a batch of
   another size is another graph, never a symbolic one); a graph break falls back to
@@ -29,6 +30,15 @@ Levers (a variant is ``eager``, one lever alone, or ``all`` of ``LEVERS``):
   (``Transformer.set_head_row_multiple``, and ``row_multiple`` of the chunked loss): V = 44,003
   is odd and cuBLAS runs it on alignment-1 kernels. The same function; parameters and checkpoints
   unchanged.
+- ``accum``: ``ACCUM_MICRO_BATCHES`` micro-batches (forward and backward, gradients summed) per
+  optimizer step, as the trainer takes a global batch larger than the micro-batch (the paper's
+  256 sequences on one to 16 GPUs: 16-256 micro-batches of one or two). The optimizer, the grad
+  norm and the step's one host read are paid once per optimizer step; per-sequence figures
+  compare. Not a change to the step's maths: the eager trainer at the paper's batch does it too.
+- ``autotune`` (an alternative to ``compile``): compiled with inductor's
+  ``mode="max-autotune-no-cudagraphs"``: its GEMMs chosen by timing Triton templates against
+  cuBLAS, a template's epilogue fusing the elementwise work after it (bias, GELU); minutes of
+  compile.
 
 Deterministic variants (not speed levers; measured beside the default): ``det`` is ``eager`` and
 ``det-all`` is ``all``, each stepped under ``torch.use_deterministic_algorithms(True)`` as
@@ -51,28 +61,44 @@ from stabilitylab.attention import compiled_lengths_hint
 from stabilitylab.chunked_loss import linear_cross_entropy_sum
 from stabilitylab.config import NOT_DETERMINISTIC, Config, deterministic_softmax
 from stabilitylab.determinism import deterministic_mode, set_cublas_workspace
-from stabilitylab.model import Transformer, masked_lm_loss_sum, vocab_size_for
+from stabilitylab.model import (
+    HEAD_ROW_MULTIPLE,
+    Transformer,
+    masked_lm_loss_sum,
+    vocab_size_for,
+)
 from stabilitylab.telemetry import LayerStatsMonitor, LogitMonitor, global_grad_norm
 from stabilitylab.train.build import make_optimizer
 from stabilitylab.train.fast import failure_reason, raise_recompile_limit
 
-LEVERS = ("compile", "mb2", "chunked-ce", "no-copies", "pad-vocab")
-ALTERNATIVES = ("compile-blocks", "compile-cg")
+LEVERS = ("compile", "mb2", "chunked-ce", "no-copies", "pad-vocab", "accum")
+ALTERNATIVES = ("compile-blocks", "compile-cg", "autotune")
 """Variants measured alone but not part of ``all`` (another form of a lever in ``LEVERS``)."""
 DETERMINISTIC = "det"
 """The mode of the deterministic variants (module docstring), carried in a rig's levers."""
 DETERMINISTIC_VARIANTS = {"det": "eager", "det-all": "all"}
 """Each deterministic variant and the variant whose levers it takes."""
-COMPILED = frozenset({"compile", "compile-blocks", "compile-cg"})
+COMPILED = frozenset({"compile", "compile-blocks", "compile-cg", "autotune"})
 """The levers that compile the model."""
 VARIANTS = ("eager", *LEVERS, *ALTERNATIVES, "all", *DETERMINISTIC_VARIANTS)
-HEAD_ROW_MULTIPLE = 64
-"""``pad-vocab``: the head's rows padded to this multiple (44,003 -> 44,032)."""
+"""The named variants; levers joined by ``+`` are variants too (``variant_levers``)."""
+ACCUM_MICRO_BATCHES = 8
+"""``accum``: micro-batches per optimizer step (fewer than the paper's batch needs on 16 GPUs)."""
 
 
 def variant_levers(variant: str) -> frozenset[str]:
-    """The levers a variant turns on: none (``eager``), one, or every one (``all``); the
-    deterministic variants add ``DETERMINISTIC`` to ``eager``'s or ``all``'s."""
+    """The levers a variant turns on: none (``eager``), one, every one (``all``), or those joined
+    by ``+`` (each a lever, an alternative or ``all``); the deterministic variants add
+    ``DETERMINISTIC`` to ``eager``'s or ``all``'s."""
+    if "+" in variant:
+        parts = variant.split("+")
+        for p in parts:
+            if p not in (*LEVERS, *ALTERNATIVES, "all"):
+                raise ValueError(
+                    f"unknown lever {p!r} in variant {variant!r}; join levers from "
+                    f"{[*LEVERS, *ALTERNATIVES, 'all']} with '+'"
+                )
+        return frozenset().union(*(variant_levers(p) for p in parts))
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {list(VARIANTS)}")
     if variant in DETERMINISTIC_VARIANTS:
@@ -131,6 +157,8 @@ class StepRig:
     optimizer: torch.optim.Optimizer
     batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     levers: frozenset[str]
+    micro_batches: int = 1
+    """Micro-batches (each ``batch``) per optimizer step (``accum``)."""
     compile_note: str = ""
     logit_mon: LogitMonitor = field(default_factory=lambda: LogitMonitor(1))
     layer_mon: LayerStatsMonitor = field(default_factory=lambda: LayerStatsMonitor(1))
@@ -178,9 +206,13 @@ class StepRig:
         model, opt = self.model, self.optimizer
         if record_logits:
             self.logit_mon.attach(model)
-        loss = self.loss()
-        with record_function("backward"):
-            loss.backward()
+        k = self.micro_batches
+        loss = torch.zeros((), device=self.device)
+        for _ in range(k):  # the gradient of the mean over micro-batches, summed into .grad
+            loss_i = self.loss() / k
+            with record_function("backward"):
+                loss_i.backward()
+            loss = loss + loss_i.detach()
         with record_function("optimizer"):
             if record_logits:
                 self.logit_mon.collect(model)
@@ -230,6 +262,7 @@ def build_rig(
         optimizer=make_optimizer(cfg, model),
         batch=synthetic_batch(B, T, vocab, device),
         levers=levers,
+        micro_batches=ACCUM_MICRO_BATCHES if "accum" in levers else 1,
     )
     if levers & COMPILED:
         rig.compile_note = _compile_checked(rig, compile_backend)
@@ -253,8 +286,11 @@ def _compile_checked(rig: StepRig, compile_backend: str) -> str:
 def _compile_traced(rig: StepRig, targets: list[torch.nn.Module], compile_backend: str) -> str:
     """Compile ``targets`` (fullgraph, else with breaks) and trace one forward and backward."""
     kw = {"backend": compile_backend}
-    if "compile-cg" in rig.levers and compile_backend == "inductor" and rig.device.type == "cuda":
-        kw["mode"] = "reduce-overhead"
+    if compile_backend == "inductor" and rig.device.type == "cuda":
+        if "compile-cg" in rig.levers:
+            kw["mode"] = "reduce-overhead"
+        elif "autotune" in rig.levers:
+            kw["mode"] = "max-autotune-no-cudagraphs"
     try:
         for m in targets:
             m.compile(fullgraph=True, dynamic=False, **kw)
