@@ -20,7 +20,9 @@ difference of one rounding, ~2^-8 in bf16). ``dW`` and ``db`` accumulate over ch
 logits set to -inf before the softmax, so they take probability 0 and gradient 0 (the same loss
 and gradients; ``stabilitylab.model.head_linear`` says why an odd vocabulary is slow).
 
-Cost: one host sync (the number of labelled rows sizes the gather).
+Cost: one host sync (the number of labelled rows sizes the gather), unless the caller knows
+that number on the host (``n_labelled``: a batch counts its labels when it is built): then the
+rows come from a stable sort of the mask, and nothing waits for the device.
 """
 
 from __future__ import annotations
@@ -47,6 +49,21 @@ def rows_per_chunk(vocab: int, max_chunk_elements: int) -> int:
     if max_chunk_elements < 1:
         raise ValueError(f"max_chunk_elements must be >= 1, got {max_chunk_elements}")
     return max(1, max_chunk_elements // vocab)
+
+
+def labelled_rows(labels_N: torch.Tensor, n_labelled: int | None = None) -> torch.Tensor:
+    """Indices of the labelled positions (label != -100), ascending. With ``n_labelled`` (their
+    number, known on the host) the first ``n_labelled`` of a stable sort that puts labelled
+    positions first, with no host sync; without it ``nonzero`` (one host sync)."""
+    labelled_N = labels_N != IGNORE_INDEX
+    if n_labelled is None:
+        return labelled_N.nonzero()[:, 0]
+    if isinstance(n_labelled, bool) or not isinstance(n_labelled, int):
+        raise TypeError(f"n_labelled must be an int or None, got {n_labelled!r}")
+    if not 0 <= n_labelled <= labels_N.numel():
+        raise ValueError(f"n_labelled must lie in [0, {labels_N.numel()}], got {n_labelled}")
+    order_N = torch.argsort((~labelled_N).to(torch.uint8), stable=True)
+    return order_N[:n_labelled]
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
@@ -105,12 +122,15 @@ def linear_cross_entropy_sum(
     *,
     max_chunk_elements: int = 2**27,
     row_multiple: int = 1,
+    n_labelled: int | None = None,
 ) -> torch.Tensor:
     """Summed cross-entropy of ``F.linear(h_BTC, weight_VC, bias_V)`` over positions whose label
     is not -100, float32: ``masked_lm_loss_sum(head(h), labels)`` without the full logits.
     Differentiable in h, the weight and the bias. Labels must lie in [0, V) (as for
     ``F.cross_entropy``; not checked here: that would be a second sync). ``row_multiple``: the
-    GEMMs on the weight's rows padded to that multiple (module docstring); the same result."""
+    GEMMs on the weight's rows padded to that multiple (module docstring); the same result.
+    ``n_labelled``: the number of labelled positions, when the host knows it; it must be that
+    number (not checked: that would be the sync it saves). None: counted on the device (a sync)."""
     if h_BTC.shape[:-1] != labels_BT.shape:
         raise ValueError(
             f"h_BTC {tuple(h_BTC.shape)} and labels_BT {tuple(labels_BT.shape)} disagree on (B, T)"
@@ -120,7 +140,7 @@ def linear_cross_entropy_sum(
             f"weight_VC must be (V, C={h_BTC.shape[-1]}), got {tuple(weight_VC.shape)}"
         )
     labels_N = labels_BT.flatten()
-    rows_N = (labels_N != IGNORE_INDEX).nonzero()[:, 0]  # the one host sync
+    rows_N = labelled_rows(labels_N, n_labelled)
     h_NC = h_BTC.flatten(0, -2).index_select(0, rows_N)
     y_N = labels_N.index_select(0, rows_N)
     dtype = compute_dtype(h_BTC, weight_VC)

@@ -266,3 +266,28 @@ def test_the_fast_step_pads_the_head_and_the_eager_step_does_not(monkeypatch):
             total = fast.summed_ce_fast(t.fast, t.raw, b, [16], nullcontext)
             assert torch.isfinite(total)
     assert seen == [HEAD_ROW_MULTIPLE]
+
+
+def test_under_ddp_the_fast_step_compiles_with_the_bucket_breaks(tmp_path):
+    """Several processes: accelerate wraps the model in DDP, which fullgraph=True refuses; the
+    fast forward compiles it with dynamo's bucket breaks from the start, says so, and computes
+    the plain model's output (one gloo process here)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    cfg = C.parse(["--preset", "smoke"])
+    model = Transformer(cfg.model, 512 + C.N_SPECIAL_TOKENS, 32, "sigmoid-reference")
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        said = []
+        f = fast.FastForward(DistributedDataParallel(model), say=said.append)
+        assert f.mode == "graph breaks" and f.note == fast.DDP_NOTE and fast.DDP_NOTE in said[0]
+        tokens_BT = torch.randint(3, 515, (2, 32))
+        lengths_B = torch.tensor([32, 20])
+        b = Batch(tokens_BT, torch.full_like(tokens_BT, -100), lengths_B, [0, 1])
+        h = f(b, [32, 20])
+        torch.testing.assert_close(h, model(tokens_BT, lengths_B, return_hidden=True))
+        assert f.mode == "graph breaks"
+    finally:
+        dist.destroy_process_group()

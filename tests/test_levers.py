@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from stabilitylab.attention import compiled_lengths_hint
-from stabilitylab.chunked_loss import linear_cross_entropy_sum, rows_per_chunk
+from stabilitylab.chunked_loss import labelled_rows, linear_cross_entropy_sum, rows_per_chunk
 from stabilitylab.config import ModelConfig
 from stabilitylab.model import Transformer, masked_lm_loss_sum, split_qkv_heads
 from stabilitylab.presets import smoke
@@ -113,6 +113,25 @@ def test_chunked_ce_names_bad_shapes():
         linear_cross_entropy_sum(h, w[:, :-1], b, labels)
     with pytest.raises(ValueError, match="max_chunk_elements"):
         rows_per_chunk(10, 0)
+
+
+def test_chunked_ce_with_the_hosts_count_selects_the_same_rows_without_a_sync(monkeypatch):
+    """n_labelled (the count a batch makes on the host): the same rows in the same order, so the
+    same loss and gradients bit for bit, and no nonzero (the op that waits for the device)."""
+    h, w, b, labels = _head_inputs(torch.float64, T=40)
+    n = int((labels != -100).sum())
+    assert torch.equal(labelled_rows(labels.flatten(), n), labelled_rows(labels.flatten()))
+    ref = _loss_and_grads(lambda: linear_cross_entropy_sum(h, w, b, labels), h, w, b)
+    monkeypatch.setattr(torch.Tensor, "nonzero", lambda *_a, **_k: pytest.fail("nonzero called"))
+    got = _loss_and_grads(lambda: linear_cross_entropy_sum(h, w, b, labels, n_labelled=n), h, w, b)
+    assert torch.equal(got[0], ref[0])
+    for g_got, g_ref in zip(got[1], ref[1], strict=True):
+        assert torch.equal(g_got, g_ref)
+    assert labelled_rows(torch.full((5,), -100), 0).numel() == 0
+    with pytest.raises(ValueError, match="n_labelled must lie in"):
+        labelled_rows(labels.flatten(), labels.numel() + 1)
+    with pytest.raises(TypeError, match="n_labelled"):
+        labelled_rows(labels.flatten(), torch.tensor(n))
 
 
 def test_one_pass_qkv_grad_equals_autograds_bit_for_bit():

@@ -3,7 +3,9 @@
 What it turns on, each measured alone on the H200 at 160M / 8K (``experiments/bench/
 bench_model.py``, docs/BENCHMARKS.md), each the same function as the eager step:
 
-- ``torch.compile`` of the prepared model (``fullgraph=True``): the Triton kernels are opaque
+- ``torch.compile`` of the prepared model (``fullgraph=True``; on several processes, where
+  accelerate has wrapped it in DDP, with graph breaks at the gradient buckets, dynamo's
+  DDPOptimizer, so that each bucket's all-reduce overlaps the backward): the Triton kernels are opaque
   custom ops in the graph; the softmax arm reads whether the batch is padded from
   ``stabilitylab.attention.unpadded_hint``, set here from the host's lengths (no sync). A graph
   break does not stop the run: the model is compiled again with ``fullgraph=False`` and the
@@ -15,7 +17,8 @@ bench_model.py``, docs/BENCHMARKS.md), each the same function as the eager step:
 - the summed cross-entropy through ``stabilitylab.chunked_loss.linear_cross_entropy_sum`` on the
   final norm's output (``forward(return_hidden=True)``): no full logits. The masked-token and the
   next-token losses are the same function (``next_token_loss_sum`` is ``masked_lm_loss_sum``), so
-  both tasks take it. It costs one host sync per micro-batch (the labelled rows size a gather).
+  both tasks take it. The batch counted its labelled rows on the host when it was built
+  (``Batch.n_masked``), so the gather that selects them waits for nothing on the device.
 - the one-pass q/k/v gradient (``Transformer.set_one_pass_qkv_grad``): the same values bit for
   bit.
 - the head's GEMMs on rows padded to ``model.HEAD_ROW_MULTIPLE`` (``Transformer.
@@ -47,6 +50,7 @@ from collections.abc import Callable
 
 import torch
 import torch._dynamo
+from torch.nn.parallel import DistributedDataParallel
 
 from stabilitylab.attention import unpadded_hint
 from stabilitylab.chunked_loss import linear_cross_entropy_sum
@@ -57,6 +61,7 @@ COMPILE_BACKEND = "inductor"
 graph as inductor would, without generating C++ or Triton code)."""
 
 RECOMPILE_LIMIT = 64
+DDP_NOTE = "DDP: the graph split at the gradient buckets (DDPOptimizer)"
 
 
 def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
@@ -83,10 +88,17 @@ class FastForward:
 
     def __init__(self, model: torch.nn.Module, say: Callable[[str], None] = print):
         self.model, self.say = model, say
-        self.mode, self.note = "fullgraph", ""
         torch._dynamo.reset()  # an earlier arm's graphs and guards (they hold its modules)
         raise_recompile_limit()
-        self._fn = torch.compile(model, fullgraph=True, backend=COMPILE_BACKEND)
+        if isinstance(model, DistributedDataParallel):
+            # dynamo's DDPOptimizer splits the graph at the gradient buckets so that their
+            # all-reduce overlaps the backward; fullgraph=True would refuse the wrapper
+            self.mode, self.note = "graph breaks", DDP_NOTE
+            self._fn = torch.compile(model, backend=COMPILE_BACKEND)
+            say(f"fast path: {DDP_NOTE}")
+        else:
+            self.mode, self.note = "fullgraph", ""
+            self._fn = torch.compile(model, fullgraph=True, backend=COMPILE_BACKEND)
 
     def __call__(self, b: Batch, host_lengths: list[int]) -> torch.Tensor:
         tokens_BT = b.tokens_BT
@@ -124,5 +136,6 @@ def summed_ce_fast(
     head = raw.head
     with autocast():
         return linear_cross_entropy_sum(
-            h_BTC, head.weight, head.bias, b.labels_BT, row_multiple=head.row_multiple
-        )
+            h_BTC, head.weight, head.bias, b.labels_BT, row_multiple=head.row_multiple,
+            n_labelled=b.n_masked,
+        )  # fmt: skip

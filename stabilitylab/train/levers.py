@@ -22,7 +22,8 @@ Levers (a variant is ``eager``, one lever alone, ``all`` of ``LEVERS``, or lever
   them go); on CPU, or with another backend than inductor, the same as ``compile``.
 - ``mb2``: two sequences per micro-batch (the per-token figures compare).
 - ``chunked-ce``: ``stabilitylab.chunked_loss.linear_cross_entropy_sum`` on the final norm's
-  output: no full logits; the same loss to rounding.
+  output: no full logits; the same loss to rounding. The labelled rows are counted once at
+  build on the host, as the trainer's batches count them, so the step does not wait for them.
 - ``no-copies``: the q/k/v gradient assembled in one pass (``model.split_qkv_heads``); the same
   values bit for bit. The Triton kernels already take the strided q/k/v views and write their
   output in the layout the output projection reads.
@@ -159,6 +160,9 @@ class StepRig:
     levers: frozenset[str]
     micro_batches: int = 1
     """Micro-batches (each ``batch``) per optimizer step (``accum``)."""
+    n_labelled: int | None = None
+    """The batch's labelled positions, counted on the host when it was built, as the trainer's
+    batches carry them (``chunked-ce`` then selects them without a host sync)."""
     compile_note: str = ""
     logit_mon: LogitMonitor = field(default_factory=lambda: LogitMonitor(1))
     layer_mon: LayerStatsMonitor = field(default_factory=lambda: LayerStatsMonitor(1))
@@ -190,8 +194,9 @@ class StepRig:
                 if hidden:
                     head = self.model.head
                     total = linear_cross_entropy_sum(
-                        out, head.weight, head.bias, labels_BT, row_multiple=head.row_multiple
-                    )
+                        out, head.weight, head.bias, labels_BT, row_multiple=head.row_multiple,
+                        n_labelled=self.n_labelled,
+                    )  # fmt: skip
                 else:
                     total = masked_lm_loss_sum(out, labels_BT)
                 return total / (labels_BT != -100).sum()
@@ -264,6 +269,7 @@ def build_rig(
         levers=levers,
         micro_batches=ACCUM_MICRO_BATCHES if "accum" in levers else 1,
     )
+    rig.n_labelled = int((rig.batch[2] != -100).sum())  # once, at build (a sync outside steps)
     if levers & COMPILED:
         rig.compile_note = _compile_checked(rig, compile_backend)
     return rig

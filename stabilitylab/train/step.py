@@ -8,8 +8,8 @@ follow the same curve. A gated model (the KV-eviction study) adds the budget ter
 global batch: each micro-batch's ``gate_mean`` times its valid positions, scaled by ``world /
 n_valid``. ``train/loss`` is the sum of the two terms; both are returned apart too.
 
-Nothing in :func:`train_step` waits for the device (but the fast path's chunked loss, which
-reads the number of labelled rows once per micro-batch). The update is skipped on the device when
+Nothing in :func:`train_step` waits for the device (the fast path's chunked loss too: the
+number of labelled rows comes from the host's count). The update is skipped on the device when
 the loss or a gradient is not finite (AdamW's ``found_inf``, as GradScaler uses it), so the host
 reads the step's numbers once, in :func:`read_numbers`, after the update is queued.
 
