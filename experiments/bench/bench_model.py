@@ -97,7 +97,7 @@ def summarise(cfg, entry: dict, peak_tflops: float, every: int = 50) -> dict:
     B *= rig.micro_batches  # sequences per optimizer step
     n_dense = dense_parameter_count(rig.model)
     flops = flops_per_step(cfg.model, n_dense, [T] * B)
-    n_labelled = int((rig.batch[2] != -100).sum()) * rig.micro_batches
+    n_labelled = rig.n_labelled * rig.micro_batches
     n_head = head_parameter_count(rig.model)
     flops_labelled = flops_per_step_labelled(cfg.model, n_dense, n_head, [T] * B, n_labelled)
     row = {

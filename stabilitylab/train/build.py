@@ -158,8 +158,8 @@ def prepare(cfg: Config, accelerator, model: torch.nn.Module, accum: int) -> Tra
         fast = FastForward(model, say=accelerator.print)
         accelerator.print(
             "fast path: torch.compile (fullgraph, dynamic sequence length), chunked "
-            "cross-entropy, head rows padded to a multiple of 64, one-pass q/k/v gradient "
-            "(--train.fast=False: the eager step)"
+            f"cross-entropy, head rows padded to a multiple of {HEAD_ROW_MULTIPLE}, one-pass "
+            "q/k/v gradient (--train.fast=False: the eager step)"
         )
     return Trainee(
         accelerator=accelerator,

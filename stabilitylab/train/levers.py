@@ -261,15 +261,16 @@ def build_rig(
     model.set_one_pass_qkv_grad("no-copies" in levers)
     model.set_head_row_multiple(HEAD_ROW_MULTIPLE if "pad-vocab" in levers else 1)
     B = micro_batch * (2 if "mb2" in levers else 1)
+    batch = synthetic_batch(B, T, vocab, device)
     rig = StepRig(
         label=f"{backend} / {variant}",
         model=model,
         optimizer=make_optimizer(cfg, model),
-        batch=synthetic_batch(B, T, vocab, device),
+        batch=batch,
         levers=levers,
         micro_batches=ACCUM_MICRO_BATCHES if "accum" in levers else 1,
+        n_labelled=int((batch[2] != -100).sum()),  # once, at build (a sync outside the steps)
     )
-    rig.n_labelled = int((rig.batch[2] != -100).sum())  # once, at build (a sync outside steps)
     if levers & COMPILED:
         rig.compile_note = _compile_checked(rig, compile_backend)
     return rig

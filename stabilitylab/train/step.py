@@ -86,7 +86,7 @@ def summed_ce(t: Trainee, data: StepBatch, i: int) -> torch.Tensor:
 def _loss_and_backward(t: Trainee, data: StepBatch, n_masked: torch.Tensor, tel: StepTelemetry):
     """Summed masked-token loss of this process's micro-batches; gradients accumulated."""
     loss_sum = torch.zeros((), device=n_masked.device)
-    for i, _ in enumerate(data.micro):
+    for i in range(len(data.micro)):
         last = i == len(data.micro) - 1
         with contextlib.nullcontext() if last else t.accelerator.no_sync(t.model):
             part = summed_ce(t, data, i)
