@@ -134,6 +134,8 @@ class KernelTime:
     us: float
     op: str = ""
     phase: str = ""
+    start_us: float | None = None
+    """Device start time (CUDA kernels), for ``idle_by_phase``; None where not known."""
 
 
 @dataclass
@@ -148,6 +150,7 @@ class StepProfile:
     top_other: list[tuple[str, str, float, float]] = field(default_factory=list)
     top_kernels: list[tuple[str, str, float, float]] = field(default_factory=list)
     unprofiled_ms: float | None = None
+    idle_ms_by_phase: dict[str, float] = field(default_factory=dict)
 
     @property
     def kernel_ms(self) -> float:
@@ -170,6 +173,31 @@ def check_gap(idle_ms: float, wall_ms: float, label: str) -> None:
             "is no kernel (a user-annotation range?) was counted, or kernels overlapped on "
             "several streams"
         )
+
+
+UNMARKED = "unmarked (autograd's thread)"
+
+
+def idle_by_phase(kernels: list[KernelTime], n_steps: int) -> dict[str, float]:
+    """Milliseconds per step the device sat idle, by the phase of the kernel that ended the wait
+    (``PHASES``, or ``UNMARKED`` for a kernel outside them: on CUDA the autograd engine launches
+    the backward's kernels from its own thread, outside the ``backward`` range of the caller's
+    thread): the gaps between one kernel's end (the
+    latest end so far) and the next kernel's start, in start order. A gap before a ``forward``
+    kernel includes each step's start (its first launch after the previous step's sync).
+    Kernels without a start time are left out; empty when none has one."""
+    timed = sorted((k for k in kernels if k.start_us is not None), key=lambda k: k.start_us)
+    out: dict[str, float] = {}
+    if not timed:
+        return out
+    end_us = timed[0].start_us
+    for k in timed:
+        gap_us = k.start_us - end_us
+        if gap_us > 0:
+            phase = k.phase or UNMARKED
+            out[phase] = out.get(phase, 0.0) + gap_us / 1e3 / n_steps
+        end_us = max(end_us, k.start_us + k.us)
+    return out
 
 
 def summarise(
@@ -205,6 +233,7 @@ def summarise(
         top_other=[r for r in ranked if r[1] == OTHER][:top_n],
         top_kernels=ranked[:top_n],
         unprofiled_ms=unprofiled_ms,
+        idle_ms_by_phase=idle_by_phase(kernels, n_steps),
     )
 
 
@@ -250,6 +279,12 @@ def to_markdown(p: StepProfile) -> str:
     lines = [head, "", "| bucket | ms / step | % of step |", "|---|---|---|"]
     for b, ms in p.bucket_ms.items():
         lines.append(f"| {b} | {ms:.3f} | {100 * ms / p.wall_ms:.1f} |")
+    if p.idle_ms_by_phase:
+        parts = ", ".join(f"{ph} {ms:.3f}" for ph, ms in p.idle_ms_by_phase.items())
+        lines += [
+            "",
+            f"Device idle between kernels, ms per step, by the phase it waited for: {parts}.",
+        ]
     lines += ["", "Largest kernels:", "", *_kernel_table(p.top_kernels, p.wall_ms)]
     if p.top_other:
         lines += ["", "Largest uncategorised kernels:", "", *_kernel_table(p.top_other, p.wall_ms)]
@@ -327,5 +362,5 @@ def kernels_from_profiler(prof, device_type: str) -> list[KernelTime]:
         launcher = by_id.get(ke.linked_correlation_id())
         op = launcher.name if launcher is not None else ""
         us = (ke.end_ns() - ke.start_ns()) / 1e3
-        out.append(KernelTime(ke.name(), us, op, _phase(launcher)))
+        out.append(KernelTime(ke.name(), us, op, _phase(launcher), ke.start_ns() / 1e3))
     return out

@@ -329,11 +329,14 @@ class TrainConfig:
     logits), the head's rows padded to a multiple of 64, the one-pass q/k/v gradient. The same
     function as the eager step, rounded differently (and dropout drawn by inductor's RNG): over
     200 steps on the GPU its curves moved by as much as the eager step's own rounding yardstick
-    (experiments/bench/fast_vs_eager.py, docs/BENCHMARKS.md). On in ``stress_8k``, the 8K job it
-    was measured for; off in the other presets, whose recorded results ran the eager step (the
-    sweeps, the divergence presets), which run deterministic (stress_8k_hot), or whose gated
-    decoder has not run it on a GPU (the KV presets). --train.fast=True / False switches it; a
-    resumed run may switch it."""
+    (experiments/bench/fast_vs_eager.py, docs/BENCHMARKS.md). On where it pays: ``stress_8k``
+    (1.46x the trainer's step at 8K) and ``paper`` (the KV study at full scale: the gated
+    decoder's step 1.5-1.7x faster at the reduced shape, for a 40-60 s compile per cell). Off
+    where it does not, or cannot: the proxy presets (on the H200 their compiled step was 7-8%
+    slower and a 300-step run took 3-4x the wall time), ``reduced`` (800 steps a cell: the compile
+    costs more than the faster step saves), the CPU presets, and ``stress_8k_hot``, which runs
+    deterministic. The recorded results of the proxy and divergence presets ran the eager step.
+    --train.fast=True / False switches it; a resumed run may switch it."""
     peak_tflops: float | None = None
     """Peak dense bf16 TFLOPS for MFU; None = from the GPU name (H100/H200: 989)."""
     budget_lambda: float = 0.03

@@ -32,7 +32,7 @@ def stress_8k() -> Config:
     its 200-step curves stay within the eager step's own rounding noise (docs/BENCHMARKS.md, "The
     fast step in the trainer"). ``--train.fast=False`` takes the eager step (the step the results
     of docs/RESULTS.md sections 1 and 7 were recorded with); ``train.deterministic`` needs it.
-    The smaller presets keep the eager step (config.TrainConfig.fast says why).
+    The other presets, save ``paper``, keep the eager step (config.TrainConfig.fast says why).
     """
     cfg = Config(preset="stress_8k", name="stress_8k")
     cfg.train.fast = True
@@ -177,10 +177,12 @@ def _kv_model(**shape) -> ModelConfig:
     )
 
 
-# The KV presets keep the eager step (train.fast False): the fast step was not yet run on the GPU
-# through a gated decoder (the key-bias float mask under SDPA, the budget term through compiled
-# gates), and the reduced study's four processes per GPU would each compile every cell.
-# --train.fast=True turns it on; a trained cell resumes either way.
+# The fast step (train.fast) through the gated decoder: on the GPU its 100-step curves match the
+# eager step's within rounding (docs/BENCHMARKS.md, "The fast step in the KV cells"), and its step
+# is 1.5-1.7x faster at the reduced shape, but it compiles for 40-60 s per cell. So kv_paper takes
+# it (5,722 steps a cell) and kv_reduced (800 steps: ~113 s fast vs ~90 s eager per cell, alone on
+# an H200) and kv_tiny (CPU) keep the eager step. --train.fast=True / False switches it; a
+# trained cell resumes either way.
 
 
 def _adamw(**schedule) -> TrainConfig:
@@ -204,6 +206,7 @@ def kv_paper() -> Config:
     9.5M training tokens), so 3B exposures are ~300 epochs of it where the paper ran 3 of
     OpenWebText (--data.text=hf --data.hf_dataset=openwebtext is the paper's corpus, with the
     memory limit data/text/build.py states). Validation every 250 steps on the whole val split.
+    The fast step (train.fast) is on: see the note above ``_adamw``.
     """
     return Config(
         preset="paper",
@@ -218,6 +221,7 @@ def kv_paper() -> Config:
             warmup_steps=715,
             precision="bf16",
             checkpoint_every=250,
+            fast=True,
         ),  # fmt: skip
         telemetry=TelemetryConfig(
             log_every=10, layer_every=100, logit_every=100, probe_every=500, val_every=250

@@ -178,9 +178,10 @@ def test_the_triton_kernel_arm_compiles_once_for_jagged_lengths(monkeypatch):
     assert f.mode == "fullgraph" and counter.frame_count == 1
 
 
-def test_stress_8k_alone_defaults_to_the_fast_step_and_one_flag_switches_it():
+def test_the_long_gpu_presets_default_to_the_fast_step_and_one_flag_switches_it():
     for name, make in PRESETS.items():
-        assert make().train.fast is (name == "stress_8k"), name
+        assert make().train.fast is (name in ("stress_8k", "paper")), name
+    assert C.parse(["--preset", "paper", "--train.fast=False"]).train.fast is False
     assert C.parse(["--preset", "stress_8k", "--train.fast=False"]).train.fast is False
     assert C.parse(["--preset", "proxy", "--train.fast=True"]).train.fast is True
     assert C.parse(["--preset", "stress_8k_hot"]).train.deterministic is True

@@ -26,6 +26,7 @@ from stabilitylab.train.levers import (
     deterministic_backend,
     parse_variants,
     prepare_variants,
+    sequences_per_row,
     synthetic_batch,
     variant_levers,
 )
@@ -158,6 +159,9 @@ def test_variants_parse_and_name_unknowns():
     assert parse_variants(["eager", "all", "eager"]) == ["eager", "all"]
     assert variant_levers("all") == frozenset(LEVERS) and "pad-vocab" in LEVERS
     assert variant_levers("mb2") == frozenset({"mb2"})
+    assert sequences_per_row(variant_levers("all")) == 4
+    assert sequences_per_row(variant_levers("compile+mb2")) == 2
+    assert sequences_per_row(variant_levers("all+mb2")) == 4  # mb4 wins
     assert set(VARIANTS) == {"eager", "all", *LEVERS, *ALTERNATIVES, *DETERMINISTIC_VARIANTS}
     assert not variant_levers("all") & {*ALTERNATIVES, DETERMINISTIC}
     assert variant_levers("det") == {DETERMINISTIC}
@@ -195,7 +199,7 @@ def _grads(model):
 
 @pytest.mark.parametrize("arm", ["softmax", "sigmoid-reference"])
 def test_every_variant_computes_the_eager_step(arm):
-    """Loss and gradients of the first step of each variant equal eager's (mb2: its first row is
+    """Loss and gradients of the first step of each variant equal eager's (mb2 / mb4: its first row is
     eager's batch, and the loss is finite); compile traces the whole model (fullgraph)."""
     cfg = smoke()
     rigs = {v: build_rig(cfg, arm, v, "cpu", compile_backend="aot_eager") for v in VARIANTS}
@@ -208,8 +212,8 @@ def test_every_variant_computes_the_eager_step(arm):
             assert rig.compile_note.startswith("fullgraph"), (variant, rig.compile_note)
         loss = rig.loss()
         loss.backward()
-        if "mb2" in rig.levers:
-            assert rig.batch[0].shape[0] == 2 and torch.isfinite(loss)
+        if rig.levers & {"mb2", "mb4"}:
+            assert rig.batch[0].shape[0] == sequences_per_row(rig.levers) and torch.isfinite(loss)
             continue
         torch.testing.assert_close(loss.detach(), ref.loss().detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(_grads(rig.model), ref_grads, rtol=1e-4, atol=1e-6)

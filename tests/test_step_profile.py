@@ -24,7 +24,9 @@ from stabilitylab.analysis.step_profile import (
     NORM,
     OPTIM,
     OTHER,
+    UNMARKED,
     KernelTime,
+    idle_by_phase,
     is_device_work,
     kernel_bucket,
     kernels_from_profiler,
@@ -436,6 +438,24 @@ def test_kernels_from_profiler_leaves_out_the_annotation_ranges():
     p = summarise(got, wall_ms_total=1.0, n_steps=1, label="fake")
     assert p.bucket_ms[OTHER] == 0 and p.bucket_ms[OPTIM] == pytest.approx(0.08)
     assert p.bucket_ms[IDLE] == pytest.approx(0.07)
+    assert p.idle_ms_by_phase == pytest.approx({"optimizer": 0.05})  # 860 -> 910 us
+
+
+def test_idle_by_phase_counts_the_waits_between_kernels_once():
+    """Gaps go to the phase of the kernel that ends them, per step; a kernel that overlaps
+    another (another stream) opens no gap, and one inside a longer one does not end its span."""
+    ks = [
+        KernelTime("a", 100.0, phase="forward", start_us=0.0),
+        KernelTime("inside", 10.0, phase="forward", start_us=20.0),
+        KernelTime("b", 50.0, phase="loss", start_us=300.0),  # 200 us after a ends
+        KernelTime("c", 50.0, phase="backward", start_us=340.0),  # overlaps b: no gap
+        KernelTime("d", 10.0, start_us=490.0),  # 100 us after c
+        KernelTime("untimed", 1e6),
+    ]
+    assert idle_by_phase(ks, n_steps=2) == pytest.approx({"loss": 0.1, UNMARKED: 0.05})
+    assert idle_by_phase([KernelTime("k", 5.0)], 1) == {}
+    table = to_markdown(summarise(ks[:5], wall_ms_total=1.0, n_steps=1, label="x"))
+    assert f"by the phase it waited for: loss 0.200, {UNMARKED} 0.100." in table
 
 
 def test_is_device_work_without_an_activity_type_drops_annotations():

@@ -1,7 +1,9 @@
 """The fast step (train.fast) against the eager one: the same loss curve over 200 steps of the
-smoke and proxy presets, both arms, on one GPU.
+smoke and proxy presets, both arms, on one GPU; or of KV-eviction cells (their gated decoder).
 
     python experiments/bench/fast_vs_eager.py --out results/bench/fast_vs_eager
+    python experiments/bench/fast_vs_eager.py --presets reduced --cells sig-g-rope sm-g-rope \
+        --steps 100 --out results/bench/fast_vs_eager_kv     # needs `make data`
 
 Each (preset, run) trains in a process of its own, all at once (compiles use their own CPU
 cores): eager, fast, and two noise yardsticks for the eager curve: eager again (SDPA's backward
@@ -25,7 +27,7 @@ import sys
 from pathlib import Path
 
 from stabilitylab.analysis.curves import curve_gap
-from stabilitylab.presets import PRESETS
+from stabilitylab.presets import KV_PRESETS, PRESETS
 from stabilitylab.train.checkpoint import read_state
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,13 +50,26 @@ def run_overrides(preset: str, kind: str) -> list[str]:
     return ["--train.fast=False", f"--train.micro_batch={micro // 2}"]
 
 
-def launch(preset: str, kind: str, steps: int, out: Path) -> subprocess.Popen:
-    log = open(out / f"{preset}_{kind}.log", "w")  # noqa: SIM115  (closed with the process)
-    cmd = [
-        sys.executable, str(ROOT / "experiments" / "stress_8k.py"), "--preset", preset,
+def run_command(preset: str, kind: str, steps: int, out: Path, cells: list[str]) -> list[str]:
+    """The training command of one run: ``stress_8k.py`` for the stress presets (both arms),
+    ``kv_eviction.py`` with ``cells`` for the KV presets; dropout 0, no report."""
+    kv = preset in KV_PRESETS
+    script = ROOT / "experiments" / ("kv_eviction.py" if kv else "stress_8k.py")
+    return [
+        sys.executable, str(script), "--preset", preset, *(["--cells", *cells] if kv else []),
         f"--name={preset}_{kind}", f"--out_dir={out / 'runs'}", "--fresh=True", "--report=False",
         f"--train.steps={steps}", "--model.dropout=0", *run_overrides(preset, kind),
     ]  # fmt: skip
+
+
+def arms_of(preset: str, cells: list[str]) -> list[str]:
+    """The runs' arms: a KV preset's cells, else the paired stress run's two arms."""
+    return list(cells) if preset in KV_PRESETS else ["softmax", "sigmoid"]
+
+
+def launch(preset: str, kind: str, steps: int, out: Path, cells: list[str]) -> subprocess.Popen:
+    log = open(out / f"{preset}_{kind}.log", "w")  # noqa: SIM115  (closed with the process)
+    cmd = run_command(preset, kind, steps, out, cells)
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
@@ -68,10 +83,10 @@ def fast_mode(out: Path, preset: str) -> list[str]:
     return sorted({ln.strip() for ln in text.splitlines() if ln.startswith("fast path")})
 
 
-def compare(out: Path, presets: list[str]) -> list[dict]:
+def compare(out: Path, presets: list[str], cells: list[str]) -> list[dict]:
     rows = []
     for preset in presets:
-        for arm in ("softmax", "sigmoid"):
+        for arm in arms_of(preset, cells):
             h = {k: arm_history(out, preset, k, arm) for k in RUNS}
             rows.append({
                 "preset": preset, "arm": arm,
@@ -104,14 +119,25 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("results/bench/fast_vs_eager"))
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--presets", nargs="+", default=["smoke", "proxy"])
+    p.add_argument(
+        "--cells", nargs="+", default=["sig-g-rope", "sm-g-rope"],
+        help="the KV presets' cells (the gated ones take the key bias through the kernels)",
+    )  # fmt: skip
     args = p.parse_args()
+    unknown = [pr for pr in args.presets if pr not in PRESETS]
+    if unknown:
+        p.error(f"unknown preset(s) {unknown}; choose from {sorted(PRESETS)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    procs = {(pr, k): launch(pr, k, args.steps, args.out) for pr in args.presets for k in RUNS}
+    procs = {
+        (pr, k): launch(pr, k, args.steps, args.out, args.cells)
+        for pr in args.presets
+        for k in RUNS
+    }
     failed = [f"{pr}/{k}" for (pr, k), proc in procs.items() if proc.wait() != 0]
     if failed:
         print(f"error: runs failed: {failed} (logs in {args.out})", file=sys.stderr)
         return 1
-    rows = compare(args.out, args.presets)
+    rows = compare(args.out, args.presets, args.cells)
     (args.out / "fast_vs_eager.json").write_text(json.dumps(rows, indent=2))
     (args.out / "fast_vs_eager.md").write_text(table(rows))
     print(table(rows))

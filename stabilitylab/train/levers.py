@@ -8,7 +8,7 @@ AdamW, ``zero_grad``, one host read. Its phases are marked with ``record_functio
 ``loss``, ``backward``, ``optimizer``) for ``stabilitylab.analysis.step_profile``.
 
 Levers (a variant is ``eager``, one lever alone, ``all`` of ``LEVERS``, or levers joined by
-``+``, e.g. ``compile+mb2``; ``all`` may be one of them: ``all+autotune``):
+``+``, e.g. ``compile+mb4``; ``all`` may be one of them: ``all+autotune``):
 
 - ``compile``: ``model.compile(fullgraph=True, dynamic=False)`` (static shapes: a batch of
   another size is another graph, never a symbolic one); a graph break falls back to
@@ -20,7 +20,8 @@ Levers (a variant is ``eager``, one lever alone, ``all`` of ``LEVERS``, or lever
 - ``compile-cg``: ``compile`` with inductor's ``mode="reduce-overhead"``: the compiled forward
   and backward replayed as CUDA graphs (static shapes, so the launches and the host gap between
   them go); on CPU, or with another backend than inductor, the same as ``compile``.
-- ``mb2``: two sequences per micro-batch (the per-token figures compare).
+- ``mb4``: four sequences per micro-batch (the per-sequence figures compare); ``mb2``, its
+  alternative, two (``mb4`` wins where both are named).
 - ``chunked-ce``: ``stabilitylab.chunked_loss.linear_cross_entropy_sum`` on the final norm's
   output: no full logits; the same loss to rounding. The labelled rows are counted once at
   build on the host, as the trainer's batches count them, so the step does not wait for them.
@@ -72,8 +73,8 @@ from stabilitylab.telemetry import LayerStatsMonitor, LogitMonitor, global_grad_
 from stabilitylab.train.build import make_optimizer
 from stabilitylab.train.fast import failure_reason, raise_recompile_limit
 
-LEVERS = ("compile", "mb2", "chunked-ce", "no-copies", "pad-vocab", "accum")
-ALTERNATIVES = ("compile-blocks", "compile-cg", "autotune")
+LEVERS = ("compile", "mb4", "chunked-ce", "no-copies", "pad-vocab", "accum")
+ALTERNATIVES = ("compile-blocks", "compile-cg", "autotune", "mb2")
 """Variants measured alone but not part of ``all`` (another form of a lever in ``LEVERS``)."""
 DETERMINISTIC = "det"
 """The mode of the deterministic variants (module docstring), carried in a rig's levers."""
@@ -107,6 +108,12 @@ def variant_levers(variant: str) -> frozenset[str]:
     if variant == "eager":
         return frozenset()
     return frozenset(LEVERS) if variant == "all" else frozenset({variant})
+
+
+def sequences_per_row(levers: frozenset[str]) -> int:
+    """Sequences per micro-batch, in units of the caller's micro-batch: 4 with ``mb4`` (over
+    ``mb2``), 2 with ``mb2``, else 1."""
+    return 4 if "mb4" in levers else 2 if "mb2" in levers else 1
 
 
 def deterministic_backend(backend: str, cuda: bool) -> str:
@@ -260,7 +267,7 @@ def build_rig(
     model = Transformer(cfg.model, vocab, T, backend).to(device)
     model.set_one_pass_qkv_grad("no-copies" in levers)
     model.set_head_row_multiple(HEAD_ROW_MULTIPLE if "pad-vocab" in levers else 1)
-    B = micro_batch * (2 if "mb2" in levers else 1)
+    B = micro_batch * sequences_per_row(levers)
     batch = synthetic_batch(B, T, vocab, device)
     rig = StepRig(
         label=f"{backend} / {variant}",

@@ -1,0 +1,89 @@
+"""How fast did runs train? Per run and arm: the median step time, throughput, MFU and peak memory
+over the steps from ``--from-step`` on, and the whole run's wall time.
+
+    python analysis/step_speed.py runs/kv_eager runs/kv_fast --from-step 50
+    python analysis/step_speed.py runs/stress_8k --out /tmp/speed     # also step_speed.md / .csv
+
+Each argument is a paired run dir, an arm dir, or a folder above them (as ``analysis/report.py``
+takes them). The trainer logs its ``perf/`` tags every ``telemetry.log_every`` steps; the first
+steps hold compiling (``train.fast``), autotuning and warm-up, so the medians start at
+``--from-step`` (default 50). ``wall_s`` is summary.json's ``wall_time_s``: the whole run with its
+compile and validation. Exit code 2 with one ``error:`` line for a missing directory, one without
+event files, or runs that logged no ``perf/`` tag from that step on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from stabilitylab import tags
+from stabilitylab.analysis.cli import run_writer
+from stabilitylab.analysis.events import discover, load_found, load_summary
+from stabilitylab.analysis.markdown import table as markdown_table
+
+SPEED_TAGS = {
+    tags.STEP_TIME: "step_s",
+    tags.TOKENS_PER_S: "tokens_per_s",
+    tags.MFU: "mfu",
+    tags.PEAK_MEM: "peak_mem_GiB",
+}
+"""The trainer's timing tags and their columns."""
+
+
+def speed_table(df: pd.DataFrame, from_step: int) -> pd.DataFrame:
+    """One row per (run, arm) of tidy scalars ``df``: ``steps`` (logged step times from
+    ``from_step`` on) and the median of each tag of ``SPEED_TAGS`` over those steps (NaN for a
+    tag the arm did not log: MFU and memory are CUDA-only). Raises ValueError when no arm logged
+    a step time from ``from_step`` on."""
+    timed = df[df["tag"].isin(list(SPEED_TAGS)) & (df["step"] >= from_step)]
+    if not (timed["tag"] == tags.STEP_TIME).any():
+        raise ValueError(
+            f"no {tags.STEP_TIME} logged at step >= {from_step} in these runs "
+            "(shorter runs? lower --from-step)"
+        )
+    wide = timed.pivot_table(index=["run", "arm"], columns="tag", values="value", aggfunc="median")
+    counts = timed[timed["tag"] == tags.STEP_TIME].groupby(["run", "arm"])["step"].count()
+    out = pd.DataFrame(index=wide.index)
+    out["steps"] = counts.reindex(wide.index).fillna(0).astype(int)
+    for tag, column in SPEED_TAGS.items():
+        out[column] = wide[tag] if tag in wide else float("nan")
+    return out.reset_index()
+
+
+def write_speed(paths: list[str], from_step: int, out: str | None) -> dict[str, Path]:
+    """Read the runs, add each arm's wall time (None while a run is still going), write
+    step_speed.md / .csv under ``out`` (default: the first run dir's ``step_speed/``)."""
+    found = discover(paths)
+    table = speed_table(load_found(found), from_step)
+    wall = {(run, arm): (load_summary(d) or {}).get("wall_time_s") for d, run, arm in found}
+    table["wall_s"] = [wall.get((r, a)) for r, a in zip(table["run"], table["arm"], strict=True)]
+    folder = Path(out) if out else Path(paths[0]) / "step_speed"
+    folder.mkdir(parents=True, exist_ok=True)
+    md = folder / "step_speed.md"
+    md.write_text(
+        f"Medians from step {from_step} on (`python analysis/step_speed.py`).\n\n"
+        + markdown_table(table)
+        + "\n"
+    )
+    csv = folder / "step_speed.csv"
+    table.to_csv(csv, index=False)
+    return {"step_speed.md": md, "step_speed.csv": csv}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run dirs, arm dirs, or above")
+    parser.add_argument("--from-step", type=int, default=50, help="first step of the medians")
+    parser.add_argument("--out", default=None, help="output folder (default RUN_DIR/step_speed)")
+    args = parser.parse_args(argv)
+    if args.from_step < 0:
+        parser.error(f"--from-step must be >= 0, got {args.from_step}")
+    return run_writer(lambda: write_speed(args.runs, args.from_step, args.out), "step_speed.md")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""The speed tools: analysis/step_speed.py (medians of the timing tags per run and arm) and
+experiments/bench/bench_clocks.py (its nvidia-smi reading)."""
+
+import json
+import math
+
+import pandas as pd
+import pytest
+from torch.utils.tensorboard import SummaryWriter
+
+from stabilitylab import tags
+from stabilitylab.analysis.step_speed import main, speed_table
+
+
+def _rows(run, arm, tag, values, start=0, every=10):
+    return [(run, arm, start + i * every, tag, v) for i, v in enumerate(values)]
+
+
+def test_speed_table_takes_medians_from_the_step_on():
+    rows = [
+        *_rows("eager", "sig", tags.STEP_TIME, [9.0, 0.2, 0.1, 0.3, 0.2]),
+        *_rows("eager", "sig", tags.MFU, [0.01, 0.2, 0.3, 0.1, 0.2]),
+        *_rows("eager", "sig", "train/loss", [5.0, 4.0, 3.0, 2.0, 1.0]),
+        *_rows("fast", "sig", tags.STEP_TIME, [60.0, 0.05, 0.07]),
+    ]
+    df = pd.DataFrame(rows, columns=["run", "arm", "step", "tag", "value"])
+    t = speed_table(df, from_step=10).set_index("run")
+    assert t.loc["eager", "steps"] == 4 and t.loc["eager", "step_s"] == pytest.approx(0.2)
+    assert t.loc["eager", "mfu"] == pytest.approx(0.2)
+    assert t.loc["fast", "steps"] == 2 and t.loc["fast", "step_s"] == pytest.approx(0.06)
+    assert math.isnan(t.loc["fast", "mfu"]) and math.isnan(t.loc["eager", "peak_mem_GiB"])
+    assert speed_table(df, from_step=0).set_index("run").loc["fast", "step_s"] == 0.07
+    with pytest.raises(ValueError, match="step >= 50"):
+        speed_table(df, from_step=50)
+
+
+def test_step_speed_reads_run_dirs_end_to_end(tmp_path, capsys):
+    """Event files as the trainer writes them, summary.json's wall time, the tables written."""
+    for run, step_s in (("eager", 0.1), ("fast", 0.05)):
+        arm_dir = tmp_path / run / "sigmoid"
+        w = SummaryWriter(str(arm_dir))
+        for step in range(0, 100, 10):
+            w.add_scalar(tags.STEP_TIME, 30.0 if step == 0 else step_s, step)
+        w.close()
+        (arm_dir / "summary.json").write_text(json.dumps({"arm": "sigmoid", "wall_time_s": 12.5}))
+    out = tmp_path / "speed"
+    assert main([str(tmp_path / "eager"), str(tmp_path / "fast"), "--from-step", "10",
+                 "--out", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "| eager | sigmoid | 9 | 0.1 |" in printed and "| fast | sigmoid | 9 | 0.05 |" in printed
+    table = pd.read_csv(out / "step_speed.csv")
+    assert list(table["wall_s"]) == [12.5, 12.5]
+    assert main([str(tmp_path / "missing")]) == 2
+    assert main([str(tmp_path / "eager"), "--from-step", "1000"]) == 2
+    assert "no perf/step_time_s" in capsys.readouterr().err
+
+
+def _bench_clocks():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "bench" / "bench_clocks.py"
+    spec = importlib.util.spec_from_file_location("bench_clocks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_clocks_reads_nvidia_smi_lines_and_takes_medians():
+    """experiments/bench/bench_clocks.py: its nvidia-smi lines parsed, unreadable ones dropped,
+    and a workload's row from its times and samples."""
+    bc = _bench_clocks()
+    assert bc.parse_sample("1680, 689.61, 700.00\n") == (1680.0, 689.61, 700.0)
+    assert bc.parse_sample("1980, [N/A], 700.00") is None
+    assert bc.parse_sample("1980, 600") is None
+    samples = [
+        (0.0, 1700.0, 650.0, 700.0),
+        (0.1, 1600.0, 690.0, 700.0),
+        (0.2, 1650.0, 680.0, 700.0),
+    ]
+    r = bc.row("w", 4, [0.4, 0.2, 0.3], samples)
+    assert r["ms_per_seq"] == pytest.approx(75.0) and r["calls"] == 3
+    assert r["sm_clock_MHz"] == 1650 and r["sm_clock_min_MHz"] == 1600 and r["power_W"] == 680
+    with pytest.raises(RuntimeError, match="w: nvidia-smi gave no samples"):
+        bc.row("w", 1, [0.1], [])
