@@ -23,6 +23,7 @@ from stabilitylab.train.levers import (
     LEVERS,
     VARIANTS,
     build_rig,
+    cli_variants,
     deterministic_backend,
     parse_variants,
     prepare_variants,
@@ -168,6 +169,16 @@ def test_variants_parse_and_name_unknowns():
     assert variant_levers("det-all") == {*LEVERS, DETERMINISTIC}
     with pytest.raises(ValueError, match="'fast'"):
         parse_variants(["eager", "fast"])
+
+
+def test_the_benchmarks_refuse_unknown_variants_and_a_machine_without_cuda(monkeypatch):
+    with pytest.raises(SystemExit, match="error: --variants: unknown variant 'fast'"):
+        cli_variants(["eager", "fast"], "bench_x.py")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="error: bench_x.py needs a CUDA GPU"):
+        cli_variants(["eager", "all"], "bench_x.py")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli_variants(["all", "eager", "all"], "bench_x.py") == ["all", "eager"]
 
 
 def test_preparing_a_deterministic_variant_sets_the_cublas_workspace(monkeypatch):

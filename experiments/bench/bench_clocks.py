@@ -23,11 +23,13 @@ import subprocess
 import threading
 import time
 
+import pandas as pd
 import torch
 
+from stabilitylab.analysis.markdown import table as markdown_table
 from stabilitylab.config import stress_8k
 from stabilitylab.kernels.sigmoid_attention import sigmoid_attention
-from stabilitylab.train.levers import VARIANTS, build_rig, prepare_variants
+from stabilitylab.train.levers import VARIANTS, build_rig, cli_variants
 
 QUERY = "clocks.sm,power.draw,power.limit"
 
@@ -136,12 +138,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--every-ms", type=int, default=50)
     args = ap.parse_args()
-    try:
-        variants = prepare_variants(args.variants)
-    except ValueError as e:
-        raise SystemExit(f"error: --variants: {e}") from None
-    if not torch.cuda.is_available():
-        raise SystemExit("error: bench_clocks.py needs a CUDA GPU")
+    variants = cli_variants(args.variants, "bench_clocks.py")
     cfg = stress_8k()
     T = cfg.data.context_len
     sampler = SmiSampler(args.every_ms)
@@ -166,12 +163,7 @@ def main() -> None:
         sampler.close()
     print(f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"triton {__import__('triton').__version__}")  # fmt: skip
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
-    for r in rows:
-        print("| " + " | ".join(f"{x:.4g}" if isinstance(x, float) else str(x)
-                                for x in r.values()) + " |")  # fmt: skip
+    print(markdown_table(pd.DataFrame(rows)))
 
 
 if __name__ == "__main__":

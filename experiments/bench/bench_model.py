@@ -51,7 +51,7 @@ from stabilitylab.train.levers import (
     VARIANTS,
     StepRig,
     build_rig,
-    prepare_variants,
+    cli_variants,
 )
 
 KINDS = {
@@ -165,12 +165,7 @@ def main() -> None:
         "--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200: 989)"
     )
     args = ap.parse_args()
-    try:
-        variants = prepare_variants(args.variants)
-    except ValueError as e:
-        raise SystemExit(f"error: --variants: {e}") from None
-    if not torch.cuda.is_available():
-        raise SystemExit("error: bench_model.py needs a CUDA GPU")
+    variants = cli_variants(args.variants, "bench_model.py")
     cfg = stress_8k()
     cfg.data.context_len = args.context
     rows, entries, skipped = bench(

@@ -141,6 +141,18 @@ def prepare_variants(names: list[str]) -> list[str]:
     return variants
 
 
+def cli_variants(names: list[str], script: str) -> list[str]:
+    """``prepare_variants`` for a GPU benchmark's command line: an unknown variant, or a machine
+    without CUDA, exits with one ``error:`` line naming it (``script`` names the benchmark)."""
+    try:
+        variants = prepare_variants(names)
+    except ValueError as e:
+        raise SystemExit(f"error: --variants: {e}") from None
+    if not torch.cuda.is_available():
+        raise SystemExit(f"error: {script} needs a CUDA GPU")
+    return variants
+
+
 def synthetic_batch(B: int, T: int, vocab: int, device, seed: int = 0):
     """Full-length rows of random tokens, 15% of positions labelled: ``(tokens, lengths, labels)``
     (the masked-token task's shapes at the stress setting). Row r is drawn from seed + r alone, so
