@@ -331,7 +331,7 @@ class TrainConfig:
     200 steps on the GPU its curves moved by as much as the eager step's own rounding yardstick
     (experiments/bench/fast_vs_eager.py, docs/BENCHMARKS.md). On where it pays: ``stress_8k``
     (1.46x the trainer's step at 8K) and ``paper`` (the KV study at full scale: the gated
-    decoder's step 1.5-1.7x faster at the reduced shape, for a 40-60 s compile per cell). Off
+    decoder's step 1.5-1.7x faster at the reduced shape, for a 50-60 s compile per cell). Off
     where it does not, or cannot: the proxy presets (on the H200 their compiled step was 7-8%
     slower and a 300-step run took 3-4x the wall time), ``reduced`` (800 steps a cell: the compile
     costs more than the faster step saves), the CPU presets, and ``stress_8k_hot``, which runs
