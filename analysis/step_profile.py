@@ -182,10 +182,10 @@ def idle_by_phase(kernels: list[KernelTime], n_steps: int) -> dict[str, float]:
     """Milliseconds per step the device sat idle, by the phase of the kernel that ended the wait
     (``PHASES``, or ``UNMARKED`` for a kernel outside them: on CUDA the autograd engine launches
     the backward's kernels from its own thread, outside the ``backward`` range of the caller's
-    thread): the gaps between one kernel's end (the
-    latest end so far) and the next kernel's start, in start order. A gap before a ``forward``
-    kernel includes each step's start (its first launch after the previous step's sync).
-    Kernels without a start time are left out; empty when none has one."""
+    thread): the gaps between one kernel's end (the latest end so far) and the next kernel's
+    start, in start order. A gap before a ``forward`` kernel includes each step's start (its
+    first launch after the previous step's sync). Kernels without a start time are left out;
+    empty when none has one."""
     timed = sorted((k for k in kernels if k.start_us is not None), key=lambda k: k.start_us)
     out: dict[str, float] = {}
     if not timed:

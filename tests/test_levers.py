@@ -25,9 +25,9 @@ from stabilitylab.train.levers import (
     build_rig,
     cli_variants,
     deterministic_backend,
+    micro_batch_factor,
     parse_variants,
     prepare_variants,
-    sequences_per_row,
     synthetic_batch,
     variant_levers,
 )
@@ -160,9 +160,9 @@ def test_variants_parse_and_name_unknowns():
     assert parse_variants(["eager", "all", "eager"]) == ["eager", "all"]
     assert variant_levers("all") == frozenset(LEVERS) and "pad-vocab" in LEVERS
     assert variant_levers("mb2") == frozenset({"mb2"})
-    assert sequences_per_row(variant_levers("all")) == 4
-    assert sequences_per_row(variant_levers("compile+mb2")) == 2
-    assert sequences_per_row(variant_levers("all+mb2")) == 4  # mb4 wins
+    assert micro_batch_factor(variant_levers("all")) == 4
+    assert micro_batch_factor(variant_levers("compile+mb2")) == 2
+    assert micro_batch_factor(variant_levers("all+mb2")) == 4  # mb4 wins
     assert set(VARIANTS) == {"eager", "all", *LEVERS, *ALTERNATIVES, *DETERMINISTIC_VARIANTS}
     assert not variant_levers("all") & {*ALTERNATIVES, DETERMINISTIC}
     assert variant_levers("det") == {DETERMINISTIC}
@@ -224,7 +224,7 @@ def test_every_variant_computes_the_eager_step(arm):
         loss = rig.loss()
         loss.backward()
         if rig.levers & {"mb2", "mb4"}:
-            assert rig.batch[0].shape[0] == sequences_per_row(rig.levers) and torch.isfinite(loss)
+            assert rig.batch[0].shape[0] == micro_batch_factor(rig.levers) and torch.isfinite(loss)
             continue
         torch.testing.assert_close(loss.detach(), ref.loss().detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(_grads(rig.model), ref_grads, rtol=1e-4, atol=1e-6)

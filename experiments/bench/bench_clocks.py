@@ -9,7 +9,7 @@ gives. Each workload is warmed up, then repeated for ``--seconds`` while ``nvidi
 the SM clock and power draw every ``--every-ms``; one row per workload: the median step (or
 attention call) per sequence, the median SM clock and power over the window, and the power
 limit. Workloads: ``attention B=..`` (the sigmoid-triton forward + backward alone, once per
-block, on B x 12 heads x 8192 x 64 bf16 inputs: the step's attention work per micro-batch, so
+block, on B x heads x T x head dim bf16 inputs (12 x 8192 x 64 at stress_8k): the step's attention work per micro-batch, so
 its ms per sequence compares with the profile's attention rows) for each ``--attention-batch``,
 and each variant of ``stabilitylab.train.levers`` (as ``bench_model.py`` steps it, without
 telemetry). Results go to docs/BENCHMARKS.md.
@@ -77,7 +77,7 @@ class SmiSampler:
         self.proc.terminate()
 
 
-def attention_call(B: int, T: int, layers: int, H: int = 12, D: int = 64):
+def attention_call(B: int, T: int, layers: int, H: int, D: int):
     """``layers`` forwards + backwards of sigmoid-triton on (B, H, T, D) bf16 inputs, full
     lengths: the attention work of one step of a ``layers``-block model on B sequences."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -145,7 +145,8 @@ def main() -> None:
     rows = []
     try:
         for B in args.attention_batch:
-            call = attention_call(B, T, cfg.model.n_layers)
+            m = cfg.model
+            call = attention_call(B, T, m.n_layers, m.n_heads, m.head_dim)
             for _ in range(3):
                 call()
             rows.append(row(f"attention B={B}", B, *run_window(call, sampler, args.seconds)))

@@ -35,7 +35,7 @@ from stabilitylab.train.levers import (
     VARIANTS,
     StepRig,
     build_rig,
-    prepare_variants,
+    cli_variants,
 )
 
 
@@ -96,10 +96,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="profiled steps per arm x variant")
     ap.add_argument("--trace", action="store_true", help="also write Chrome traces (large)")
     args = ap.parse_args()
-    try:
-        variants = prepare_variants(args.variants)
-    except ValueError as e:
-        raise SystemExit(f"error: --variants: {e}") from None
+    variants = cli_variants(args.variants, "profile_step.py", need_cuda=False)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda needs a CUDA GPU (or --device cpu --tiny)")
     if args.steps < 1 or args.warmup < 0:

@@ -110,8 +110,8 @@ def variant_levers(variant: str) -> frozenset[str]:
     return frozenset(LEVERS) if variant == "all" else frozenset({variant})
 
 
-def sequences_per_row(levers: frozenset[str]) -> int:
-    """Sequences per micro-batch, in units of the caller's micro-batch: 4 with ``mb4`` (over
+def micro_batch_factor(levers: frozenset[str]) -> int:
+    """How many times the caller's micro-batch a rig's batch holds: 4 with ``mb4`` (over
     ``mb2``), 2 with ``mb2``, else 1."""
     return 4 if "mb4" in levers else 2 if "mb2" in levers else 1
 
@@ -141,14 +141,15 @@ def prepare_variants(names: list[str]) -> list[str]:
     return variants
 
 
-def cli_variants(names: list[str], script: str) -> list[str]:
-    """``prepare_variants`` for a GPU benchmark's command line: an unknown variant, or a machine
-    without CUDA, exits with one ``error:`` line naming it (``script`` names the benchmark)."""
+def cli_variants(names: list[str], script: str, need_cuda: bool = True) -> list[str]:
+    """``prepare_variants`` for a benchmark's command line: an unknown variant, or (with
+    ``need_cuda``) a machine without CUDA, exits with one ``error:`` line naming it (``script``
+    names the benchmark)."""
     try:
         variants = prepare_variants(names)
     except ValueError as e:
         raise SystemExit(f"error: --variants: {e}") from None
-    if not torch.cuda.is_available():
+    if need_cuda and not torch.cuda.is_available():
         raise SystemExit(f"error: {script} needs a CUDA GPU")
     return variants
 
@@ -177,11 +178,12 @@ class StepRig:
     optimizer: torch.optim.Optimizer
     batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     levers: frozenset[str]
+    n_labelled: int
+    """The batch's labelled positions, counted on the host when it was built, as the trainer's
+    batches carry them: the loss's denominator, and ``chunked-ce`` selects them without a host
+    sync."""
     micro_batches: int = 1
     """Micro-batches (each ``batch``) per optimizer step (``accum``)."""
-    n_labelled: int | None = None
-    """The batch's labelled positions, counted on the host when it was built, as the trainer's
-    batches carry them (``chunked-ce`` then selects them without a host sync)."""
     compile_note: str = ""
     logit_mon: LogitMonitor = field(default_factory=lambda: LogitMonitor(1))
     layer_mon: LayerStatsMonitor = field(default_factory=lambda: LayerStatsMonitor(1))
@@ -218,7 +220,7 @@ class StepRig:
                     )  # fmt: skip
                 else:
                     total = masked_lm_loss_sum(out, labels_BT)
-                return total / (labels_BT != -100).sum()
+                return total / self.n_labelled
 
     def step(self, record_logits=False, layer_stats=False, grad_norm=True) -> torch.Tensor:
         """One optimizer step as the trainer takes it, telemetry chosen, in the rig's ``mode``;
@@ -279,7 +281,7 @@ def build_rig(
     model = Transformer(cfg.model, vocab, T, backend).to(device)
     model.set_one_pass_qkv_grad("no-copies" in levers)
     model.set_head_row_multiple(HEAD_ROW_MULTIPLE if "pad-vocab" in levers else 1)
-    B = micro_batch * sequences_per_row(levers)
+    B = micro_batch * micro_batch_factor(levers)
     batch = synthetic_batch(B, T, vocab, device)
     rig = StepRig(
         label=f"{backend} / {variant}",
@@ -287,8 +289,8 @@ def build_rig(
         optimizer=make_optimizer(cfg, model),
         batch=batch,
         levers=levers,
-        micro_batches=ACCUM_MICRO_BATCHES if "accum" in levers else 1,
         n_labelled=int((batch[2] != -100).sum()),  # once, at build (a sync outside the steps)
+        micro_batches=ACCUM_MICRO_BATCHES if "accum" in levers else 1,
     )
     if levers & COMPILED:
         rig.compile_note = _compile_checked(rig, compile_backend)
