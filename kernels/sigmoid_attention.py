@@ -286,30 +286,6 @@ def dkdv_query_tiles(
     return dk, dv, dkb
 
 
-@triton.jit
-def store_dkdv(
-    dk_base, dv_base, DKB, dk, dv, dkb, offs_n, offs_d, sdkt, sdvt, pid_bh, L, T, scale,
-    SIGMOID: tl.constexpr, HAS_KEY_BIAS: tl.constexpr,
-):  # fmt: skip
-    """A key tile's way out (the split dK/dV kernel's and the fused backward's): dK scaled, and
-    padded key rows zeroed. They saw k = 0 (and v = 0); their dS is zero (dP = dO v^T = 0), so
-    their key-bias gradient is too."""
-    valid = offs_n[:, None] < L
-    in_range = offs_n[:, None] < T
-    tl.store(
-        dk_base + offs_n[:, None] * sdkt + offs_d[None, :],
-        tl.where(valid, dk * ds_scale(scale, SIGMOID), 0.0).to(dk_base.dtype.element_ty),
-        mask=in_range,
-    )  # fmt: skip
-    tl.store(
-        dv_base + offs_n[:, None] * sdvt + offs_d[None, :],
-        tl.where(valid, dv, 0.0).to(dv_base.dtype.element_ty), mask=in_range,
-    )  # fmt: skip
-    if HAS_KEY_BIAS:
-        dkb_base = DKB + pid_bh.to(tl.int64) * T
-        tl.store(dkb_base + offs_n, dkb * ds_scale(1.0, SIGMOID), mask=offs_n < T)
-
-
 # ---- kernels -----------------------------------------------------------------------------------
 # One program per (query or key tile, b * h). TMA (a constexpr) reads tiles through one tensor
 # descriptor per (b, h) over the L_b valid rows, which the hardware zero-fills past L_b; else
@@ -513,10 +489,22 @@ def _sigmoid_bwd_dkdv_kernel(
             dk, dv, dkb, k, v, q_src, do_src, b, h, diag_end, L, offs_n, offs_m, offs_d, sqt,
             sdot, L, a_s, c, False, HAS_KEY_BIAS, SIGMOID, DOT_PRECISION, TMA, BLOCK_M,
         )  # fmt: skip
-    store_dkdv(
-        DK + b64 * sdkb + h * sdkh, DV + b64 * sdvb + h * sdvh, DKB, dk, dv, dkb, offs_n, offs_d,
-        sdkt, sdvt, pid_bh, L, T, scale, SIGMOID, HAS_KEY_BIAS,
+    # Padded key rows saw k = 0 (and v = 0): zero their dK and dV on the way out. Their dS is zero
+    # (dP = dO v^T = 0), so their key-bias gradient is too.
+    dk_scale = ds_scale(scale, SIGMOID)
+    valid = offs_n[:, None] < L
+    in_range = offs_n[:, None] < T
+    tl.store(
+        DK + b64 * sdkb + h * sdkh + offs_n[:, None] * sdkt + offs_d[None, :],
+        tl.where(valid, dk * dk_scale, 0.0).to(DK.dtype.element_ty), mask=in_range,
     )  # fmt: skip
+    tl.store(
+        DV + b64 * sdvb + h * sdvh + offs_n[:, None] * sdvt + offs_d[None, :],
+        tl.where(valid, dv, 0.0).to(DV.dtype.element_ty), mask=in_range,
+    )  # fmt: skip
+    if HAS_KEY_BIAS:
+        dkb_base = DKB + pid_bh.to(tl.int64) * T
+        tl.store(dkb_base + offs_n, dkb * ds_scale(1.0, SIGMOID), mask=offs_n < T)
 
 
 # ---- launch configs and choices ----------------------------------------------------------------
@@ -530,20 +518,15 @@ INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
 def _configs(
     kind: str, cap: tuple[int, int], fp32: bool = False, dense: bool = False
 ) -> tuple[triton.Config, ...]:  # fmt: skip
-    """``kind``: fwd (BLOCK_M queries x BLOCK_N keys per step), dq (same), dkdv and fused (BLOCK_N
-    keys fixed); fused on sm90 only (its dQ reduce is a TMA instruction).
+    """``kind``: fwd (BLOCK_M queries x BLOCK_N keys per step), dq (same), dkdv (BLOCK_N keys
+    fixed).
     ``dense``: the same tiles for the kernels of unpadded batches, whose host-built descriptors
     take their blocks from the config (``set_blocks``, a pre-hook).
 
     float32 (a testing dtype) gets small tiles of its own: the 16-bit tiles at 4 bytes a value
     overflow shared memory at head dim 128, and compiling them took minutes on the H200."""
     if fp32:
-        blocks = {
-            "fwd": [(64, 32, 4, 2)],
-            "dq": [(64, 32, 4, 2)],
-            "dkdv": [(32, 64, 4, 2)],
-            "fused": [(32, 64, 4, 2)],
-        }[kind]
+        blocks = {"fwd": [(64, 32, 4, 2)], "dq": [(64, 32, 4, 2)], "dkdv": [(32, 64, 4, 2)]}[kind]
     elif cap[0] >= 9:
         # (BLOCK_M, BLOCK_N, num_warps, num_stages); three each keeps first-call autotuning short.
         # Chosen per kernel with experiments/bench/sweep_configs.py: dK/dV wants 64 x 64 tiles on
@@ -552,7 +535,6 @@ def _configs(
             "fwd": [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3)],
             "dq": [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
             "dkdv": [(64, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2)],
-            "fused": FUSED_CONFIGS,
         }[kind]
     else:
         blocks = {
@@ -560,7 +542,7 @@ def _configs(
             "dq": [(64, 64, 4, 2), (64, 32, 4, 2)],
             "dkdv": [(32, 64, 4, 2), (64, 64, 4, 2)],
         }[kind]
-    hook = _dense().set_blocks if dense else (_fused().zero_dq if kind == "fused" else None)
+    hook = _dense().set_blocks if dense else None
     return tuple(
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=hook)
         for m, n, w, s in blocks
@@ -580,11 +562,6 @@ FWD_A_REGS_HEAD_DIMS = (128,)
 # descriptors alone, a fixed cost that shows at T <= 4K; at head dim 64 two programs share an SM
 # and overlap each other's builds, and the dense kernels were no faster (docs/BENCHMARKS.md).
 DENSE_HEAD_DIMS = (128,)
-# The fused backward (``sigmoid_attention_fused_bwd.py``: 5 products per tile pair, dQ by TMA
-# reduce) at head dim 64 from T = TMA_MIN_T; its configs (BLOCK_M, BLOCK_N, num_warps,
-# num_stages), timed against the split kernels by experiments/bench/bench_fused_backward.py.
-FUSED_HEAD_DIMS = (64,)
-FUSED_CONFIGS = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3)]
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
@@ -631,20 +608,6 @@ def use_dense(lengths: torch.Tensor, *tensors: torch.Tensor) -> bool:
     )
 
 
-def use_fused_backward(q: torch.Tensor, tma: bool) -> bool:
-    """The op's choice of the fused backward: TMA loads (``use_tma``) on sm90+, 16-bit, head dim
-    in ``FUSED_HEAD_DIMS``, and not under ``torch.use_deterministic_algorithms`` (its dQ sums in
-    the order the atomics arrive). Never in the interpreter, which has no descriptor reduce (the
-    tests call the kernel with pointer atomics there)."""
-    return (
-        tma
-        and not interpreting()
-        and q.shape[-1] in FUSED_HEAD_DIMS
-        and q.dtype != torch.float32
-        and not torch.are_deterministic_algorithms_enabled()
-    )
-
-
 # ---- launcher ----------------------------------------------------------------------------------
 
 _TUNED: dict[tuple, Tuned] = {}
@@ -657,12 +620,6 @@ def _dense():
     """The kernels of unpadded batches, imported at first use: that module takes the tile helpers
     above from this one."""
     return importlib.import_module("stabilitylab.kernels.sigmoid_attention_dense")
-
-
-@functools.cache
-def _fused():
-    """The fused backward, imported at first use (it takes the tile helpers above)."""
-    return importlib.import_module("stabilitylab.kernels.sigmoid_attention_fused_bwd")
 
 
 def pinned_config(configs: tuple[triton.Config, ...]) -> triton.Config:
@@ -806,23 +763,20 @@ def _forward_dense(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max,
 
 
 def _backward(do, q, k, v, lengths, scale, bias, log_bias, sigmoid, tma,
-              causal=False, key_bias=None, dkb=None, fused=False):  # fmt: skip
+              causal=False, key_bias=None, dkb=None):  # fmt: skip
     """The general dQ and dK/dV kernels: ``(dq, dk, dv)``, and the key bias's gradient per head
     written into ``dkb`` (a contiguous (B, H, T) float32 buffer) when there is a key bias. The dQ
     kernel is launched before dK and dV are even allocated: host time ahead of the first launch
-    is GPU idle time. ``fused``: the one fused kernel instead (TMA loads required)."""
+    is GPU idle time."""
     B, H, T, D = q.shape
     if tma and not interpreting():
         triton.set_allocator(_device_allocator)
+    dq = _empty_bthd_as_bhtd(q)
     kwargs = {
         "TMA": tma,
         **_common_args(D, q.dtype, log_bias, sigmoid),
         **_mask_and_bias_args(causal, key_bias),
     }
-    if fused:
-        tail = (H, T, seq_bucket(T), scale, bias)
-        return _fused().backward_fused(_launch, do, q, k, v, lengths, scale, tail, kwargs, dkb)
-    dq = _empty_bthd_as_bhtd(q)
     args = _kernel_args((q, k, v, do, dq), (), lengths, H, T, scale, bias)
     grid = lambda meta: (cdiv(T, meta["BLOCK_M"]), B * H)
     _launch(_sigmoid_bwd_dq_kernel, "dq", q, grid, args, kwargs)
@@ -874,8 +828,7 @@ def forward_auto(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max,
 def backward_auto(do, q, k, v, lengths, scale, bias, log_bias, sigmoid,
                   causal=False, key_bias=None):  # fmt: skip
     """The backward with the op's choices: an unpadded batch to the dense kernels (``use_dense``),
-    else the general kernels with TMA loads where ``use_tma``, fused where
-    ``use_fused_backward``. ``(dq, dk, dv, dkb)``, dkb the key
+    else the general kernels with TMA loads where ``use_tma``. ``(dq, dk, dv, dkb)``, dkb the key
     bias's gradient per head, (B, H, T) float32, or None without a key bias."""
     do, q, k, v = (last_dim_contiguous(t) for t in (do, q, k, v))
     B, H, T, _ = q.shape
@@ -887,8 +840,7 @@ def backward_auto(do, q, k, v, lengths, scale, bias, log_bias, sigmoid,
         grads = _backward_dense(do, q, k, v, lengths, scale, bias, log_bias, sigmoid, *tail)
     else:
         tma = use_tma(q, k, v, do)
-        fused = use_fused_backward(q, tma)
-        grads = _backward(do, q, k, v, lengths, scale, bias, log_bias, sigmoid, tma, *tail, fused)
+        grads = _backward(do, q, k, v, lengths, scale, bias, log_bias, sigmoid, tma, *tail)
     return (*grads, dkb)
 
 
