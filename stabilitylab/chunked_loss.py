@@ -9,7 +9,10 @@ positions that predict nothing (the masked-token task labels 15%). Here:
   loss nor to any gradient: the same function);
 - rows go in chunks of at most ``max_chunk_elements`` logits, float32 only within a chunk;
 - the gradients are computed in the forward (softmax - one-hot per chunk, then two GEMMs), kept,
-  and scaled by the incoming gradient in the backward: the logits are never recomputed.
+  and scaled by the incoming gradient in the backward: the logits are never recomputed;
+- on CUDA each chunk's loss and logit gradient come from one
+  kernel (``stabilitylab.kernels.cross_entropy``) that reads the 16-bit logits twice and writes
+  the gradient over them, instead of a float32 copy and about eight passes over it.
 
 Numerics follow the eager path under autocast: h, W and b cast to the autocast dtype, logits in
 that dtype, softmax in float32, logit gradients rounded to the autocast dtype for the two GEMMs
@@ -30,6 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from stabilitylab.kernels.cross_entropy import cross_entropy_grad, cross_entropy_grad_reference
 from stabilitylab.model import padded_size
 
 IGNORE_INDEX = -100
@@ -66,6 +70,12 @@ def labelled_rows(labels_N: torch.Tensor, n_labelled: int | None = None) -> torc
     return order_N[:n_labelled]
 
 
+def fused_chunks(device: torch.device) -> bool:
+    """Whether a chunk's loss and gradient come from the Triton kernel: on CUDA. (Tests run it in
+    Triton's interpreter by replacing this function.)"""
+    return device.type == "cuda"
+
+
 class _LinearCrossEntropySum(torch.autograd.Function):
     """``sum_n CE(h_n W^T + b, y_n)`` over given rows; gradients made in the forward."""
 
@@ -86,16 +96,15 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             db_P = (
                 None if b is None else torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
             )
+            fused = fused_chunks(h_NC.device)
             for s in range(0, h_NC.shape[0], chunk_rows):
-                h_RC, y_R = hc_NC[s : s + chunk_rows], y_N[s : s + chunk_rows, None]
-                logits_RP = F.linear(h_RC, w, b).float()
-                if pad:
-                    logits_RP[:, V:] = float("-inf")  # the pad: probability 0, gradient 0
-                lse_R = torch.logsumexp(logits_RP, dim=-1)
-                loss += (lse_R - logits_RP.gather(1, y_R)[:, 0]).sum()
-                p_RP = logits_RP.sub_(lse_R[:, None]).exp_()  # softmax, in place
-                p_RP.scatter_add_(1, y_R, torch.full_like(y_R, -1, dtype=p_RP.dtype))
-                g_RP = p_RP.to(dtype)
+                h_RC, y_R = hc_NC[s : s + chunk_rows], y_N[s : s + chunk_rows]
+                logits_RP = F.linear(h_RC, w, b)
+                if fused:
+                    loss_R, g_RP = cross_entropy_grad(logits_RP, y_R, V, in_place=True)
+                else:  # the same maths in torch ops, float32 inside
+                    loss_R, g_RP = cross_entropy_grad_reference(logits_RP, y_R, V)
+                loss += loss_R.sum()
                 torch.mm(g_RP, w, out=dh_NC[s : s + chunk_rows])
                 dw_PC += (g_RP.t() @ h_RC).float()
                 if db_P is not None:

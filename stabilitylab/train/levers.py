@@ -25,6 +25,8 @@ Levers (a variant is ``eager``, one lever alone, ``all`` of ``LEVERS``, or lever
 - ``chunked-ce``: ``stabilitylab.chunked_loss.linear_cross_entropy_sum`` on the final norm's
   output: no full logits; the same loss to rounding. The labelled rows are counted once at
   build on the host, as the trainer's batches count them, so the step does not wait for them.
+  On CUDA each chunk's loss and logit gradient come from one Triton kernel
+  (``kernels/cross_entropy.py``).
 - ``no-copies``: the q/k/v gradient assembled in one pass (``model.split_qkv_heads``); the same
   values bit for bit. The Triton kernels already take the strided q/k/v views and write their
   output in the layout the output projection reads.
