@@ -1,7 +1,6 @@
 """Triton kernels for stabilitylab: sigmoid attention and its softmax twin (fwd + bwd, fused
 max|logit|), a stats-only max|logit| reduction, and the chunked loss's per-row cross-entropy and
-logit gradient. Importing never touches CUDA; CPU runs need
-TRITON_INTERPRET=1."""
+logit gradient. Importing never touches CUDA; CPU runs need TRITON_INTERPRET=1."""
 
 import importlib
 

@@ -37,6 +37,8 @@ from stabilitylab.kernels.cross_entropy import cross_entropy_grad, cross_entropy
 from stabilitylab.model import padded_size
 
 IGNORE_INDEX = -100
+# Logits per chunk by default: 2^27 (512 MiB in float32, 256 MiB in 16 bits).
+MAX_CHUNK_ELEMENTS = 2**27
 
 
 def compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -129,7 +131,7 @@ def linear_cross_entropy_sum(
     bias_V: torch.Tensor | None,
     labels_BT: torch.Tensor,
     *,
-    max_chunk_elements: int = 2**27,
+    max_chunk_elements: int = MAX_CHUNK_ELEMENTS,
     row_multiple: int = 1,
     n_labelled: int | None = None,
 ) -> torch.Tensor:

@@ -18,8 +18,8 @@ import importlib
 import torch
 import triton
 
-from stabilitylab.chunked_loss import rows_per_chunk
-from stabilitylab.model import padded_size
+from stabilitylab.chunked_loss import MAX_CHUNK_ELEMENTS, rows_per_chunk
+from stabilitylab.model import HEAD_ROW_MULTIPLE, padded_size
 
 ce = importlib.import_module("stabilitylab.kernels.cross_entropy")
 
@@ -27,14 +27,14 @@ ce = importlib.import_module("stabilitylab.kernels.cross_entropy")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=44003)
-    ap.add_argument("--row-multiple", type=int, default=64)
-    ap.add_argument("--rows", type=int, default=None, help="default: one chunk of 2^27 logits")
+    ap.add_argument("--row-multiple", type=int, default=HEAD_ROW_MULTIPLE)
+    ap.add_argument("--rows", type=int, default=None, help="default: one chunk of the loss's")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_cross_entropy.py needs CUDA")
     V = args.vocab
     P = padded_size(V, args.row_multiple)
-    R = args.rows or rows_per_chunk(P, 2**27)
+    R = args.rows or rows_per_chunk(P, MAX_CHUNK_ELEMENTS)
     gen = torch.Generator("cuda").manual_seed(0)
     x_RP = (torch.randn(R, P, device="cuda", generator=gen) * 3).bfloat16()
     y_R = torch.randint(0, V, (R,), device="cuda", generator=gen)
