@@ -82,3 +82,73 @@ def test_workers_change_nothing_and_the_global_rng_is_untouched(cfg, cells):
 def test_a_global_batch_the_processes_cannot_share_is_refused(cells):
     with pytest.raises(ValueError, match="global_batch=8 is not a multiple of micro_batch=3"):
         StepBatches(cells, global_batch=8, micro_batch=3, rank=0, world=1)
+
+
+def _padding(item) -> int:
+    return sum(b.tokens_BT.numel() for b in item.micro) - sum(item.lengths)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_grouped_step_holds_the_same_samples_by_length(cells, source, cfg, world):
+    """train.group_by_length: the rank's share of the step, longest first, micro_batch at a time;
+    every row is the sample it is in the ungrouped step, and the step's counts are unchanged."""
+    for rank in range(world):
+        kw = dict(global_batch=16, micro_batch=4, rank=rank, world=world)
+        plain = StepBatches(cells, **kw)[2]
+        grouped = StepBatches(cells, **kw, group_by_length=True)[2]
+        assert len(grouped.micro) == len(plain.micro)
+        assert all(b.tokens_BT.shape[0] == 4 for b in grouped.micro)
+        assert sorted(i for b in grouped.micro for i in b.indices) == sorted(
+            i for b in plain.micro for i in b.indices
+        )
+        assert torch.equal(grouped.counts_2, plain.counts_2)
+        assert grouped.first_index == plain.first_index
+        lengths = [int(n) for b in grouped.micro for n in b.lengths_B]
+        assert lengths == sorted(lengths, reverse=True) and lengths == grouped.lengths
+        assert _padding(grouped) <= _padding(plain)
+        for b in grouped.micro:
+            for row, index in enumerate(b.indices):
+                one = cells([index])
+                n = int(one.lengths_B[0])
+                assert int(b.lengths_B[row]) == n
+                assert torch.equal(b.tokens_BT[row, :n], one.tokens_BT[0])
+                assert torch.equal(b.labels_BT[row, :n], one.labels_BT[0])
+                assert (b.tokens_BT[row, n:] == 0).all() and (b.labels_BT[row, n:] == -100).all()
+            assert b.n_masked == int((b.labels_BT != -100).sum())
+
+
+def test_grouping_changes_nothing_at_micro_batch_one(cells):
+    kw = dict(global_batch=8, micro_batch=1, rank=0, world=1)
+    plain, grouped = StepBatches(cells, **kw)[1], StepBatches(cells, **kw, group_by_length=True)[1]
+    assert all(same(a, b) for a, b in zip(plain.micro, grouped.micro, strict=True))
+
+
+def test_the_loader_takes_group_by_length_from_the_config(source):
+    cfg = C.parse(
+        ["--preset", "smoke", "--train.global_batch=8", "--train.micro_batch=4",
+         "--train.group_by_length=True"]
+    )
+    item = next(iter(step_loader(masked_cells(source, cfg), cfg, rank=0, world=1, start=0,
+                                 num_workers=0, pin_memory=False)))
+    lengths = [int(n) for b in item.micro for n in b.lengths_B]
+    assert lengths == sorted(lengths, reverse=True)
+
+
+def test_group_by_length_must_be_a_bool():
+    with pytest.raises(C.ConfigError, match="train.group_by_length"):
+        C.TrainConfig(group_by_length="yes")
+
+
+def test_stack_batches_pads_to_the_longest_row(cells):
+    from stabilitylab.data.batch import stack_batches
+
+    short, long_ = sorted((cells([i]) for i in range(6)), key=lambda b: int(b.lengths_B[0]))[::5]
+    both = stack_batches([short, long_])
+    assert both.tokens_BT.shape == (2, long_.tokens_BT.shape[1])
+    assert both.indices == short.indices + long_.indices
+    assert both.n_masked == short.n_masked + long_.n_masked
+    n = short.tokens_BT.shape[1]
+    assert torch.equal(both.tokens_BT[0, :n], short.tokens_BT[0])
+    assert (both.tokens_BT[0, n:] == 0).all() and (both.labels_BT[0, n:] == -100).all()
+    with pytest.raises(ValueError, match="at least one batch"):
+        stack_batches([])

@@ -124,3 +124,30 @@ def make_batch(
         indices=indices,
         n_masked=int((labels_BT != IGNORE_LABEL).sum()),
     )
+
+
+def stack_batches(batches: Sequence[Batch]) -> Batch:
+    """Batches of the same task as one batch, right-padded to the longest row (PAD, labels -100).
+
+    Row ``b`` keeps its tokens, labels and length exactly; only the padding after it may grow.
+    """
+    if not batches:
+        raise ValueError("stack_batches needs at least one batch")
+    rows = sum(b.tokens_BT.shape[0] for b in batches)
+    T = max(b.tokens_BT.shape[1] for b in batches)
+    first = batches[0]
+    tokens_BT = first.tokens_BT.new_full((rows, T), PAD_ID)
+    labels_BT = first.labels_BT.new_full((rows, T), IGNORE_LABEL)
+    row = 0
+    for b in batches:
+        n, t = b.tokens_BT.shape
+        tokens_BT[row : row + n, :t] = b.tokens_BT
+        labels_BT[row : row + n, :t] = b.labels_BT
+        row += n
+    return Batch(
+        tokens_BT=tokens_BT,
+        labels_BT=labels_BT,
+        lengths_B=torch.cat([b.lengths_B for b in batches]),
+        indices=[i for b in batches for i in b.indices],
+        n_masked=sum(b.n_masked for b in batches),
+    )

@@ -10,7 +10,11 @@ global sample indices: masked cells (:func:`masked_cells`) or next-token text wi
 (``stabilitylab.train.task``). Item ``step`` of :class:`StepBatches` is this rank's share of the
 global batch of that step: ``accum`` micro-batches of ``micro_batch`` samples each, micro-batch
 ``i`` holding the global samples ``step * global_batch + rank * per_rank + i * micro_batch +
-[0, micro_batch)`` with ``per_rank = global_batch / world``. So the data order depends on the seed
+[0, micro_batch)`` with ``per_rank = global_batch / world``. With ``group_by_length`` the rank's
+share of the step is instead ordered by length (longest first, ties by index) before it is cut
+into micro-batches, so that a micro-batch holds sequences of like length and little padding: the
+step's sequences, and so its summed loss and gradient, are the same; only the rounding and the
+dropout draws move (``train.group_by_length``). So the data order depends on the seed
 and the global batch only, never on the process count or the number of loader workers (a sample
 depends on (seed, index) alone: each cell's masking draws from its own generator, see
 :mod:`stabilitylab.data.batch`; text windows, :mod:`stabilitylab.data.text.windows`).
@@ -30,7 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from stabilitylab.config import Config
-from stabilitylab.data.batch import Batch, make_batch
+from stabilitylab.data.batch import Batch, make_batch, stack_batches
 from stabilitylab.data.source import CellSource
 
 MicroBatchFn = Callable[[Sequence[int]], Batch]
@@ -103,6 +107,7 @@ class StepBatches(Dataset):
         micro_batch: int,
         rank: int,
         world: int,
+        group_by_length: bool = False,
     ):
         if global_batch % (micro_batch * world):
             raise ValueError(
@@ -115,19 +120,31 @@ class StepBatches(Dataset):
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.rank, self.per_rank = rank, global_batch // world
         self.accum = self.per_rank // micro_batch
+        self.group_by_length = group_by_length
 
     def first_index(self, step: int) -> int:
         return step * self.global_batch + self.rank * self.per_rank
 
     def __getitem__(self, step: int) -> StepBatch:
         base = self.first_index(step)
-        micro = [
-            self.make_micro(range(base + i * self.micro_batch, base + (i + 1) * self.micro_batch))
-            for i in range(self.accum)
-        ]
+        if self.group_by_length and self.micro_batch > 1:
+            micro = self._grouped(base)
+        else:
+            micro = [
+                self.make_micro(range(base + i * self.micro_batch, base + (i + 1) * self.micro_batch))
+                for i in range(self.accum)
+            ]
         lengths = [int(n) for b in micro for n in b.lengths_B.tolist()]  # CPU tensors: no sync
         counts_2 = torch.tensor([sum(b.n_masked for b in micro), sum(lengths)], dtype=torch.float32)
         return StepBatch(step, micro, counts_2, lengths, base)
+
+    def _grouped(self, base: int) -> list[Batch]:
+        """The rank's samples of the step one by one, longest first, stacked ``micro_batch`` at a
+        time (each sample is built alone, so it is the same sample as in any other grouping)."""
+        ones = [self.make_micro([base + i]) for i in range(self.per_rank)]
+        order = sorted(range(self.per_rank), key=lambda i: (-int(ones[i].lengths_B[0]), i))
+        m = self.micro_batch
+        return [stack_batches([ones[i] for i in order[j : j + m]]) for j in range(0, len(order), m)]
 
 
 def _as_is(item: StepBatch) -> StepBatch:
@@ -159,6 +176,7 @@ def step_loader(
         micro_batch=cfg.train.micro_batch,
         rank=rank,
         world=world,
+        group_by_length=cfg.train.group_by_length,
     )
     return DataLoader(
         dataset,

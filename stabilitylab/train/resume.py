@@ -26,7 +26,8 @@ from stabilitylab.train import checkpoint
 # compared as the resolved ``backend`` key, a cell's settings as its model keys; ``cells`` only
 # picks which cells run; ``train.steps`` is how a run is extended; ``train.fast`` computes the
 # same step, rounded differently, so a run started before it existed, or with it off, resumes
-# under the presets' default, and the other way round).
+# under the presets' default, and the other way round; ``train.group_by_length`` groups the same
+# sequences of a step into other micro-batches).
 FREE_KEYS = (
     "preset",
     "cells",
@@ -43,6 +44,7 @@ FREE_KEYS = (
     "train.checkpoint_every",
     "train.peak_tflops",
     "train.fast",
+    "train.group_by_length",
 )
 FREE_PREFIXES = ("telemetry.", "study.")  # what is logged; how the trained cells are evaluated
 
