@@ -187,6 +187,15 @@ def test_the_long_gpu_presets_default_to_the_fast_step_and_one_flag_switches_it(
     assert C.parse(["--preset", "stress_8k_hot"]).train.deterministic is True
 
 
+def test_stress_8k_takes_grouped_micro_batches_of_four_and_one_flag_undoes_it():
+    cfg = C.parse(["--preset", "stress_8k"])
+    assert (cfg.train.micro_batch, cfg.train.group_by_length) == (4, True)
+    assert C.parse(["--preset", "stress_8k", "--train.micro_batch=1"]).train.micro_batch == 1
+    for name, make in PRESETS.items():  # the other presets' steps are as recorded
+        if name != "stress_8k":
+            assert make().train.group_by_length is False or make().train.micro_batch == 1, name
+
+
 def test_fast_refuses_what_it_cannot_keep():
     with pytest.raises(C.ConfigError, match="train.fast"):
         C.parse(["--preset", "stress_8k", "--train.deterministic=True", "--train.fast=True"])
@@ -236,7 +245,7 @@ def test_fast_vs_eager_splits_the_micro_batch_for_its_rounding_yardstick():
     cfg = C.parse(["--preset", "smoke", *split])  # a valid split: the global batch divides
     assert cfg.train.global_batch % cfg.train.micro_batch == 0
     with pytest.raises(ValueError, match="micro_batch 1: nothing to split"):
-        script.run_overrides("stress_8k", "eager_split")
+        script.run_overrides("stress_8k_hot", "eager_split")
     with pytest.raises(ValueError, match="unknown run kind 'slow'"):
         script.run_overrides("smoke", "slow")
 
