@@ -125,11 +125,12 @@ _UNPADDED_UNDER_COMPILE = False
 
 @contextlib.contextmanager
 def unpadded_hint(unpadded: bool):
-    """Around a compiled model's forward: tell the traced ``softmax`` backend whether no row of
-    the batch is padded (every length equals T), known to the caller without a device read (the
-    trainer has the lengths on the host). Without it a compiled ``softmax`` model always passes
-    SDPA a mask (right for any lengths, but SDPA's flash and cuDNN kernels take none). A wrong
-    True drops the padding mask: only say it when it holds. No effect in eager."""
+    """Around a compiled model's forward: tell the traced ``softmax`` and ``softmax-flex`` backends
+    whether no row of the batch is padded (every length equals T), known to the caller without a
+    device read (the trainer has the lengths on the host). Without it a compiled ``softmax`` model
+    always passes SDPA a mask (right for any lengths, but SDPA's flash and cuDNN kernels take
+    none) and ``softmax-flex`` always builds its block mask. A wrong True drops the padding mask:
+    only say it when it holds. No effect in eager."""
     global _UNPADDED_UNDER_COMPILE
     before = _UNPADDED_UNDER_COMPILE
     _UNPADDED_UNDER_COMPILE = bool(unpadded)
@@ -238,7 +239,7 @@ def flex_block_mask(lengths_B: torch.Tensor, T: int, causal: bool):
     from torch.nn.attention.flex_attention import create_block_mask
 
     def build():
-        if lengths_all_full(lengths_B, T) and not causal:
+        if _unpadded(lengths_B, T) and not causal:  # under compile: the caller's hint
             return None
 
         def mask_mod(b, h, q_idx, kv_idx):
@@ -293,12 +294,14 @@ def softmax_flex(
         )
     block_mask = flex_block_mask(lengths_B, T, causal)
     score_mod = flex_score_mod(key_bias_BT, key_bias_BHT)
-    with warnings.catch_warnings():
-        # CPU only: the "called without torch.compile()" notice; there is no faster CPU path.
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
-        out_BHTD = _flex_attention(q_BHTD.device)(
-            q_BHTD, k_BHTD, v_BHTD, score_mod=score_mod, block_mask=block_mask
-        )
+    flex = _flex_attention(q_BHTD.device)
+    if torch.compiler.is_compiling():  # dynamo does not trace the warnings filters
+        out_BHTD = flex(q_BHTD, k_BHTD, v_BHTD, score_mod=score_mod, block_mask=block_mask)
+    else:
+        with warnings.catch_warnings():
+            # CPU only: the "called without torch.compile()" notice; there is no faster CPU path.
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+            out_BHTD = flex(q_BHTD, k_BHTD, v_BHTD, score_mod=score_mod, block_mask=block_mask)
     out_BHTD = _zero_padded_rows(out_BHTD, lengths_B)
     return out_BHTD, _stats(q_BHTD, k_BHTD, lengths_B, causal, return_max_logit)
 

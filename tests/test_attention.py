@@ -193,6 +193,25 @@ def test_softmax_flex_refuses_backward_on_cpu():
         get_backend("softmax-flex")(q.requires_grad_(), k, v, lengths)
 
 
+def test_softmax_flex_traces_whole_on_padded_and_unpadded_batches():
+    """The fast step compiles a softmax-flex model with fullgraph=True: the block mask must be
+    built inside the graph (the padding read from the caller's hint, no host read), and the result
+    must be eager's. Here dynamo traces (backend eager; no backward: FlexAttention has none on
+    CPU)."""
+    from stabilitylab.attention import unpadded_hint
+
+    flex = get_backend("softmax-flex")
+    traced = torch.compile(lambda *a: flex(*a)[0], fullgraph=True, backend="eager")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for lengths_list, unpadded in (([128, 77], False), ([128, 128], True)):
+            q, k, v, lengths = _inputs(2, 2, 128, 64, lengths_list, torch.float32, 1)
+            with unpadded_hint(unpadded):
+                out_BHTD = traced(q, k, v, lengths)
+            torch.testing.assert_close(out_BHTD, flex(q, k, v, lengths)[0])
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("name", ["softmax", "softmax-reference", "sigmoid-reference"])
 def test_two_key_biases_or_a_wrong_shape_are_refused_by_name(name):
     q, k, v, lengths = _inputs(2, 2, 8, 16, [8, 5], torch.float32, 0)
