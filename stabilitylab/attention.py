@@ -275,13 +275,22 @@ def _flex_attention(device: torch.device) -> Callable:
     return _compiled_flex
 
 
+@contextlib.contextmanager
+def _quiet_eager_flex():
+    """CPU only: FlexAttention's "called without torch.compile()" notice; there is no faster CPU
+    path to take instead."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+        yield
+
+
 @register("softmax-flex")
 def softmax_flex(
     q_BHTD, k_BHTD, v_BHTD, lengths_B, *, causal=False, key_bias_BT=None, key_bias_BHT=None,
     sigmoid_bias=None, return_max_logit=False,
 ):  # fmt: skip
-    import warnings
-
     T = q_BHTD.shape[2]
     key_bias_BH1T(q_BHTD, key_bias_BT, key_bias_BHT)  # shape checks, named
     needs_grad = torch.is_grad_enabled() and any(
@@ -294,14 +303,11 @@ def softmax_flex(
         )
     block_mask = flex_block_mask(lengths_B, T, causal)
     score_mod = flex_score_mod(key_bias_BT, key_bias_BHT)
-    flex = _flex_attention(q_BHTD.device)
-    if torch.compiler.is_compiling():  # dynamo does not trace the warnings filters
-        out_BHTD = flex(q_BHTD, k_BHTD, v_BHTD, score_mod=score_mod, block_mask=block_mask)
-    else:
-        with warnings.catch_warnings():
-            # CPU only: the "called without torch.compile()" notice; there is no faster CPU path.
-            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
-            out_BHTD = flex(q_BHTD, k_BHTD, v_BHTD, score_mod=score_mod, block_mask=block_mask)
+    # Dynamo does not trace the warnings filters: they only guard the eager call.
+    with contextlib.nullcontext() if torch.compiler.is_compiling() else _quiet_eager_flex():
+        out_BHTD = _flex_attention(q_BHTD.device)(
+            q_BHTD, k_BHTD, v_BHTD, score_mod=score_mod, block_mask=block_mask
+        )
     out_BHTD = _zero_padded_rows(out_BHTD, lengths_B)
     return out_BHTD, _stats(q_BHTD, k_BHTD, lengths_B, causal, return_max_logit)
 
