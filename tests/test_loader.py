@@ -125,11 +125,27 @@ def test_grouping_changes_nothing_at_micro_batch_one(cells):
 
 def test_the_loader_takes_group_by_length_from_the_config(source):
     cfg = C.parse(
-        ["--preset", "smoke", "--train.global_batch=8", "--train.micro_batch=4",
-         "--train.group_by_length=True"]
+        [
+            "--preset",
+            "smoke",
+            "--train.global_batch=8",
+            "--train.micro_batch=4",
+            "--train.group_by_length=True",
+        ]
     )
-    item = next(iter(step_loader(masked_cells(source, cfg), cfg, rank=0, world=1, start=0,
-                                 num_workers=0, pin_memory=False)))
+    item = next(
+        iter(
+            step_loader(
+                masked_cells(source, cfg),
+                cfg,
+                rank=0,
+                world=1,
+                start=0,
+                num_workers=0,
+                pin_memory=False,
+            )
+        )
+    )
     lengths = [int(n) for b in item.micro for n in b.lengths_B]
     assert lengths == sorted(lengths, reverse=True)
 

@@ -131,7 +131,9 @@ class StepBatches(Dataset):
             micro = self._grouped(base)
         else:
             micro = [
-                self.make_micro(range(base + i * self.micro_batch, base + (i + 1) * self.micro_batch))
+                self.make_micro(
+                    range(base + i * self.micro_batch, base + (i + 1) * self.micro_batch)
+                )
                 for i in range(self.accum)
             ]
         lengths = [int(n) for b in micro for n in b.lengths_B.tolist()]  # CPU tensors: no sync
