@@ -27,9 +27,10 @@ Backends:
   boolean mask for padding/causal without a bias, else an additive float mask (bias, ``-inf``
   where masked) of ``B x T x T`` elements for causal.
 - ``softmax-flex``: FlexAttention, a ``score_mod`` adding the key bias and a block mask for
-  causal and padding (skips fully masked tiles). Compiled on CUDA; on CPU it runs eagerly
-  (unfused, n x n) and torch has no CPU backward for it, so it is refused there when a gradient
-  is needed.
+  causal and padding (skips fully masked tiles), the mask built eagerly (a graph break inside a
+  compiled model: in the graph it does not compile at a dynamic length). Compiled on CUDA; on
+  CPU it runs eagerly (unfused, n x n) and torch has no CPU backward for it, so it is refused
+  there when a gradient is needed.
 - ``softmax-reference``, ``sigmoid-reference``: plain PyTorch, n x n; slow, but reproducible bit
   for bit on a GPU, which SDPA's backward is not. Support everything.
 - ``sigmoid-triton`` (stabilitylab.kernels) and ``sigmoid-triton-exact`` (the same with the exact
@@ -125,12 +126,12 @@ _UNPADDED_UNDER_COMPILE = False
 
 @contextlib.contextmanager
 def unpadded_hint(unpadded: bool):
-    """Around a compiled model's forward: tell the traced ``softmax`` and ``softmax-flex`` backends
-    whether no row of the batch is padded (every length equals T), known to the caller without a
-    device read (the trainer has the lengths on the host). Without it a compiled ``softmax`` model
-    always passes SDPA a mask (right for any lengths, but SDPA's flash and cuDNN kernels take
-    none) and ``softmax-flex`` always builds its block mask. A wrong True drops the padding mask:
-    only say it when it holds. No effect in eager."""
+    """Around a compiled model's forward: tell the traced ``softmax`` backend whether no row of
+    the batch is padded (every length equals T), known to the caller without a device read (the
+    trainer has the lengths on the host). Without it a compiled ``softmax`` model always passes
+    SDPA a mask (right for any lengths, but SDPA's flash and cuDNN kernels take none).
+    ``softmax-flex`` builds its block mask eagerly, outside the graph, and reads the lengths
+    itself. A wrong True drops the padding mask: only say it when it holds. No effect in eager."""
     global _UNPADDED_UNDER_COMPILE
     before = _UNPADDED_UNDER_COMPILE
     _UNPADDED_UNDER_COMPILE = bool(unpadded)
@@ -233,13 +234,19 @@ _flex_masks = LastTensorMemo()
 _compiled_flex: Callable | None = None
 
 
+@torch.compiler.disable
 def flex_block_mask(lengths_B: torch.Tensor, T: int, causal: bool):
     """FlexAttention's block mask for padding (``j < L_b``) and causality (``j <= i``), or None
-    when nothing is masked. Built once per lengths tensor (memo): every layer reuses it."""
+    when nothing is masked. Built once per lengths tensor (memo): every layer reuses it.
+
+    Always eager, also inside a compiled model (a graph break; the fast step then compiles with
+    graph breaks): built in the graph at a dynamic sequence length, the mask does not lower in
+    inductor (torch 2.11 on the H200: ``CantSplit`` on its block count), and the fast step fell
+    back to an eager model, 5.7x slower (docs/LOG.md, 2026-12-03)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def build():
-        if _unpadded(lengths_B, T) and not causal:  # under compile: the caller's hint
+        if _unpadded(lengths_B, T) and not causal:
             return None
 
         def mask_mod(b, h, q_idx, kv_idx):
@@ -248,8 +255,6 @@ def flex_block_mask(lengths_B: torch.Tensor, T: int, causal: bool):
 
         return create_block_mask(mask_mod, lengths_B.shape[0], None, T, T, device=lengths_B.device)
 
-    if torch.compiler.is_compiling():
-        return build()
     return _flex_masks.get(lengths_B, (T, causal), build)
 
 

@@ -193,21 +193,25 @@ def test_softmax_flex_refuses_backward_on_cpu():
         get_backend("softmax-flex")(q.requires_grad_(), k, v, lengths)
 
 
-def test_softmax_flex_traces_whole_on_padded_and_unpadded_batches():
-    """The fast step compiles a softmax-flex model with fullgraph=True: the block mask must be
-    built inside the graph (the padding read from the caller's hint, no host read), and the result
-    must be eager's. Here dynamo traces (backend eager; no backward: FlexAttention has none on
-    CPU)."""
+def test_softmax_flex_breaks_the_graph_at_its_block_mask_and_matches_eager():
+    """The block mask is built eagerly even inside a compiled model (in the graph at a dynamic
+    length inductor fails to lower it on CUDA): fullgraph=True refuses the backend, so the fast
+    step compiles it with graph breaks, and that result is eager's on padded and unpadded
+    batches. Here dynamo traces (backend eager; no backward: FlexAttention has none on CPU)."""
     from stabilitylab.attention import unpadded_hint
 
     flex = get_backend("softmax-flex")
-    traced = torch.compile(lambda *a: flex(*a)[0], fullgraph=True, backend="eager")
+    whole = torch.compile(lambda *a: flex(*a)[0], fullgraph=True, backend="eager")
+    broken = torch.compile(lambda *a: flex(*a)[0], backend="eager")
     torch._dynamo.reset()
     with torch.no_grad():
+        q, k, v, lengths = _inputs(2, 2, 128, 64, [128, 77], torch.float32, 1)
+        with pytest.raises(torch._dynamo.exc.Unsupported):
+            whole(q, k, v, lengths)
         for lengths_list, unpadded in (([128, 77], False), ([128, 128], True)):
             q, k, v, lengths = _inputs(2, 2, 128, 64, lengths_list, torch.float32, 1)
             with unpadded_hint(unpadded):
-                out_BHTD = traced(q, k, v, lengths)
+                out_BHTD = broken(q, k, v, lengths)
             torch.testing.assert_close(out_BHTD, flex(q, k, v, lengths)[0])
     torch._dynamo.reset()
 

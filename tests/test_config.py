@@ -46,6 +46,7 @@ def test_stress_8k_hot_is_the_measured_setting():
         ["--preset", "stress_8k", "--train.deterministic=True", "--train.fast=False",
          "--train.weight_decay=0.0",
          "--train.warmup_steps=100", "--train.global_batch=2", "--train.micro_batch=1",
+         "--data.pad_to_multiple=1",
          "--train.steps=250", "--train.checkpoint_every=0", "--train.on_divergence=stop",
          "--telemetry.log_every=1", "--telemetry.logit_every=5", "--telemetry.layer_every=10",
          "--telemetry.probe_every=50", "--train.lr=0.01", "--train.seed=0"]

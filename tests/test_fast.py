@@ -196,6 +196,14 @@ def test_stress_8k_takes_grouped_micro_batches_of_four_and_one_flag_undoes_it():
             assert make().train.group_by_length is False or make().train.micro_batch == 1, name
 
 
+def test_stress_8k_pads_to_multiples_of_128_and_one_flag_undoes_it():
+    assert C.parse(["--preset", "stress_8k"]).data.pad_to_multiple == 128
+    assert C.parse(["--preset", "stress_8k", "--data.pad_to_multiple=1"]).data.pad_to_multiple == 1
+    for name, make in PRESETS.items():  # the other presets' batches are as recorded
+        if name != "stress_8k":
+            assert make().data.pad_to_multiple == 1, name
+
+
 def test_fast_refuses_what_it_cannot_keep():
     with pytest.raises(C.ConfigError, match="train.fast"):
         C.parse(["--preset", "stress_8k", "--train.deterministic=True", "--train.fast=True"])

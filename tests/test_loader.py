@@ -168,3 +168,43 @@ def test_stack_batches_pads_to_the_longest_row(cells):
     assert (both.tokens_BT[0, n:] == 0).all() and (both.labels_BT[0, n:] == -100).all()
     with pytest.raises(ValueError, match="at least one batch"):
         stack_batches([])
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_pad_to_multiple_rounds_each_micro_batch_and_changes_no_row(source, group):
+    """data.pad_to_multiple: every micro-batch's length a multiple of it, every row the sample of
+    the unrounded batch followed by masked padding (PAD tokens, ignored labels)."""
+    args = ["--preset", "smoke", "--train.global_batch=8", "--train.micro_batch=2"]
+    args += [f"--train.group_by_length={group}"]
+    plain_cfg = C.parse(args)
+    padded_cfg = C.parse(args + ["--data.pad_to_multiple=32"])
+    kw = dict(global_batch=8, micro_batch=2, rank=0, world=1, group_by_length=group)
+    plain = StepBatches(masked_cells(source, plain_cfg), **kw)[1]
+    padded = StepBatches(masked_cells(source, padded_cfg), **kw)[1]
+    assert any(b.tokens_BT.shape[1] % 32 for b in plain.micro)  # the knob has work to do
+    for a, b in zip(plain.micro, padded.micro, strict=True):
+        T_a, T_b = a.tokens_BT.shape[1], b.tokens_BT.shape[1]
+        assert T_b % 32 == 0 and T_a <= T_b < T_a + 32
+        assert a.indices == b.indices and torch.equal(a.lengths_B, b.lengths_B)
+        assert torch.equal(b.tokens_BT[:, :T_a], a.tokens_BT)
+        assert torch.equal(b.labels_BT[:, :T_a], a.labels_BT)
+        assert (b.tokens_BT[:, T_a:] == 0).all() and (b.labels_BT[:, T_a:] == -100).all()
+        assert b.n_masked == a.n_masked
+    assert torch.equal(padded.counts_2, plain.counts_2)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--data.pad_to_multiple=0"], "positive divisor of data.context_len=128"),
+        (["--data.pad_to_multiple=48"], "positive divisor of data.context_len=128, got 48"),
+    ],
+)
+def test_pad_to_multiple_must_divide_the_context(args, match):
+    with pytest.raises(C.ConfigError, match=match):
+        C.parse(["--preset", "smoke", *args])
+
+
+def test_pad_to_multiple_is_refused_on_text_windows():
+    with pytest.raises(C.ConfigError, match="data.pad_to_multiple.*cell batches only"):
+        C.DataConfig(source="text", context_len=128, pad_to_multiple=64)

@@ -291,3 +291,19 @@ def test_a_crash_with_loader_workers_exits_instead_of_hanging(tmp_path):
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 1, done.stderr[-2000:]
     assert "injected failure in the attention backend" in done.stderr
+
+
+def test_padding_to_a_multiple_leaves_both_arms_losses(tmp_path):
+    """data.pad_to_multiple only adds masked positions: with one cell per micro-batch (rounded
+    from 32-128 tokens up to 64 or 128), both arms' first steps give the losses of unpadded
+    batches to float32 rounding."""
+    steps = ["--train.steps=3", "--train.micro_batch=1", "--train.global_batch=8"]
+    plain = smoke(tmp_path / "plain", *steps)
+    padded = smoke(tmp_path / "padded", *steps, "--data.pad_to_multiple=64")
+    run(plain)
+    run(padded)
+    for arm in ("softmax", "sigmoid"):
+        a = last_state(tmp_path / "plain" / "smoke" / arm)["history"]["loss"]
+        b = last_state(tmp_path / "padded" / "smoke" / arm)["history"]["loss"]
+        assert len(a) == len(b) == 3
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=0), (arm, a, b)

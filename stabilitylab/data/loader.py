@@ -49,6 +49,7 @@ def masked_cells(source: CellSource, cfg: Config) -> MicroBatchFn:
         context_len=cfg.data.context_len,
         mask_prob=cfg.data.mask_prob,
         seed=cfg.train.seed,
+        pad_to_multiple=cfg.data.pad_to_multiple,
     )
 
 

@@ -27,7 +27,7 @@ from stabilitylab.train import checkpoint
 # picks which cells run; ``train.steps`` is how a run is extended; ``train.fast`` computes the
 # same step, rounded differently, so a run started before it existed, or with it off, resumes
 # under the presets' default, and the other way round; ``train.group_by_length`` groups the same
-# sequences of a step into other micro-batches).
+# sequences of a step into other micro-batches; ``data.pad_to_multiple`` adds masked padding only).
 FREE_KEYS = (
     "preset",
     "cells",
@@ -45,6 +45,7 @@ FREE_KEYS = (
     "train.peak_tflops",
     "train.fast",
     "train.group_by_length",
+    "data.pad_to_multiple",
 )
 FREE_PREFIXES = ("telemetry.", "study.")  # what is logged; how the trained cells are evaluated
 
