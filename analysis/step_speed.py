@@ -8,8 +8,15 @@ Each argument is a paired run dir, an arm dir, or a folder above them (as ``anal
 takes them). The trainer logs its ``perf/`` tags every ``telemetry.log_every`` steps; the first
 steps hold compiling (``train.fast``), autotuning and warm-up, so the medians start at
 ``--from-step`` (default 50). ``wall_s`` is summary.json's ``wall_time_s``: the whole run with its
-compile and validation. Exit code 2 with one ``error:`` line for a missing directory, one without
-event files, or runs that logged no ``perf/`` tag from that step on.
+compile and validation.
+
+``paired``: for runs that trained the same cells in the same order (the same seed, global batch
+and data; the lab's A/B runs and the two arms of one run), each step's time over the same step's
+time of the baseline (``--baseline RUN`` or ``RUN/ARM``; default the table's first row), the
+median over the steps both logged. A step that holds a recompile or a new kernel configuration
+in one run only moves one ratio, where it can move a median over a few steps by several percent
+(docs/LOG.md, 2026-12-03). Exit code 2 with one ``error:`` line for a missing directory, one
+without event files, runs that logged no ``perf/`` tag from that step on, or an unknown baseline.
 """
 
 from __future__ import annotations
@@ -54,18 +61,53 @@ def speed_table(df: pd.DataFrame, from_step: int) -> pd.DataFrame:
     return out.reset_index()
 
 
-def write_speed(paths: list[str], from_step: int, out: str | None) -> dict[str, Path]:
-    """Read the runs, add each arm's wall time (None while a run is still going), write
-    step_speed.md / .csv under ``out`` (default: the first run dir's ``step_speed/``)."""
+def paired_ratios(df: pd.DataFrame, from_step: int, baseline: tuple[str, str]) -> pd.Series:
+    """Per (run, arm) of tidy scalars ``df``: the median over the steps from ``from_step`` on that
+    it and ``baseline`` both logged of its step time over the baseline's (NaN where they share no
+    step). Meaningful for runs that trained the same cells in the same order."""
+    timed = df[(df["tag"] == tags.STEP_TIME) & (df["step"] >= from_step)]
+    times = timed.pivot_table(
+        index="step", columns=["run", "arm"], values="value", aggfunc="median"
+    )
+    if baseline not in times.columns:
+        known = ", ".join(f"{r}/{a}" for r, a in times.columns)
+        raise ValueError(f"baseline {'/'.join(baseline)} logged no step time here; runs: {known}")
+    return times.div(times[baseline], axis=0).median()
+
+
+def resolve_baseline(table: pd.DataFrame, name: str | None) -> tuple[str, str]:
+    """``RUN/ARM``, ``RUN`` (its first arm in the table) or None (the table's first row)."""
+    rows = list(zip(table["run"], table["arm"], strict=True))
+    if name is None:
+        return rows[0]
+    run, _, arm = name.partition("/")
+    match = [(r, a) for r, a in rows if r == run and (not arm or a == arm)]
+    if not match:
+        known = ", ".join(f"{r}/{a}" for r, a in rows)
+        raise ValueError(f"--baseline {name} is not among the runs read: {known}")
+    return match[0]
+
+
+def write_speed(
+    paths: list[str], from_step: int, out: str | None, baseline: str | None = None
+) -> dict[str, Path]:
+    """Read the runs, add each arm's wall time (None while a run is still going) and its paired
+    ratio to the baseline, write step_speed.md / .csv under ``out`` (default: the first run dir's
+    ``step_speed/``)."""
     found = discover(paths)
-    table = speed_table(load_found(found), from_step)
+    df = load_found(found)
+    table = speed_table(df, from_step)
+    base = resolve_baseline(table, baseline)
+    ratios = paired_ratios(df, from_step, base)
+    table["paired"] = [ratios.get((r, a)) for r, a in zip(table["run"], table["arm"], strict=True)]
     wall = {(run, arm): (load_summary(d) or {}).get("wall_time_s") for d, run, arm in found}
     table["wall_s"] = [wall.get((r, a)) for r, a in zip(table["run"], table["arm"], strict=True)]
     folder = Path(out) if out else Path(paths[0]) / "step_speed"
     folder.mkdir(parents=True, exist_ok=True)
     md = folder / "step_speed.md"
     md.write_text(
-        f"Medians from step {from_step} on (`python analysis/step_speed.py`).\n\n"
+        f"Medians from step {from_step} on (`python analysis/step_speed.py`); `paired`: the median "
+        f"over shared steps of each step's time over {base[0]}/{base[1]}'s.\n\n"
         + markdown_table(table)
         + "\n"
     )
@@ -79,10 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run dirs, arm dirs, or above")
     parser.add_argument("--from-step", type=int, default=50, help="first step of the medians")
     parser.add_argument("--out", default=None, help="output folder (default RUN_DIR/step_speed)")
+    parser.add_argument(
+        "--baseline", default=None, metavar="RUN[/ARM]", help="the paired column's reference"
+    )
     args = parser.parse_args(argv)
     if args.from_step < 0:
         parser.error(f"--from-step must be >= 0, got {args.from_step}")
-    return run_writer(lambda: write_speed(args.runs, args.from_step, args.out), "step_speed.md")
+    return run_writer(
+        lambda: write_speed(args.runs, args.from_step, args.out, args.baseline), "step_speed.md"
+    )
 
 
 if __name__ == "__main__":

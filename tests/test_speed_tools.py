@@ -9,7 +9,7 @@ import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from stabilitylab import tags
-from stabilitylab.analysis.step_speed import main, speed_table
+from stabilitylab.analysis.step_speed import main, paired_ratios, speed_table
 
 
 def _rows(run, arm, tag, values, start=0, every=10):
@@ -34,6 +34,25 @@ def test_speed_table_takes_medians_from_the_step_on():
         speed_table(df, from_step=50)
 
 
+def test_paired_ratios_take_the_median_over_shared_steps():
+    """A recompile in one run moves one ratio, not the verdict: b is 2% faster step for step
+    although its median from step 10 is higher; c shares two steps with a."""
+    rows = [
+        *_rows("a", "sig", tags.STEP_TIME, [9.0, 6.0, 0.50, 0.60, 0.70, 0.55]),
+        *_rows("b", "sig", tags.STEP_TIME, [9.0, 1.5, 0.96, 0.588, 0.686, 0.539]),
+        *_rows("c", "sig", tags.STEP_TIME, [1.0, 1.2], start=20),
+    ]
+    df = pd.DataFrame(rows, columns=["run", "arm", "step", "tag", "value"])
+    medians = speed_table(df, from_step=10).set_index("run")["step_s"]
+    assert medians["b"] > medians["a"]
+    ratios = paired_ratios(df, from_step=10, baseline=("a", "sig"))
+    assert ratios[("a", "sig")] == 1.0
+    assert ratios[("b", "sig")] == pytest.approx(0.98)
+    assert ratios[("c", "sig")] == pytest.approx((2.0 + 2.0) / 2)
+    with pytest.raises(ValueError, match="baseline z/sig logged no step time here"):
+        paired_ratios(df, from_step=10, baseline=("z", "sig"))
+
+
 def test_step_speed_reads_run_dirs_end_to_end(tmp_path, capsys):
     """Event files as the trainer writes them, summary.json's wall time, the tables written."""
     for run, step_s in (("eager", 0.1), ("fast", 0.05)):
@@ -50,6 +69,13 @@ def test_step_speed_reads_run_dirs_end_to_end(tmp_path, capsys):
     assert "| eager | sigmoid | 9 | 0.1 |" in printed and "| fast | sigmoid | 9 | 0.05 |" in printed
     table = pd.read_csv(out / "step_speed.csv")
     assert list(table["wall_s"]) == [12.5, 12.5]
+    assert list(table["paired"]) == [1.0, 0.5]
+    assert main([str(tmp_path / "eager"), str(tmp_path / "fast"), "--from-step", "10",
+                 "--out", str(out), "--baseline", "fast/sigmoid"]) == 0  # fmt: skip
+    assert list(pd.read_csv(out / "step_speed.csv")["paired"]) == [2.0, 1.0]
+    capsys.readouterr()
+    assert main([str(tmp_path / "eager"), "--out", str(out), "--baseline", "nope"]) == 2
+    assert "--baseline nope is not among the runs read: eager/sigmoid" in capsys.readouterr().err
     assert main([str(tmp_path / "missing")]) == 2
     assert main([str(tmp_path / "eager"), "--from-step", "1000"]) == 2
     assert "no perf/step_time_s" in capsys.readouterr().err
