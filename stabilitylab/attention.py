@@ -246,7 +246,7 @@ def flex_block_mask(lengths_B: torch.Tensor, T: int, causal: bool):
     from torch.nn.attention.flex_attention import create_block_mask
 
     def build():
-        if _unpadded(lengths_B, T) and not causal:
+        if lengths_all_full(lengths_B, T) and not causal:
             return None
 
         def mask_mod(b, h, q_idx, kv_idx):
