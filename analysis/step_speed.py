@@ -15,7 +15,12 @@ and data; the lab's A/B runs and the two arms of one run), each step's time over
 time of the baseline (``--baseline RUN`` or ``RUN/ARM``; default the table's first row), the
 median over the steps both logged. A step that holds a recompile or a new kernel configuration
 in one run only moves one ratio, where it can move a median over a few steps by several percent
-(docs/LOG.md, 2026-12-03). Exit code 2 with one ``error:`` line for a missing directory, one
+(docs/LOG.md, 2026-12-03).
+
+``stalls`` / ``stall_s``: the steps from ``--from-step`` on that took over ``STALL_FACTOR`` times
+the arm's median, and the seconds they took beyond it: a recompile, a kernel autotuned at a new
+length, a plan built (docs/BENCHMARKS.md, "Thirty steps at 8K"). The medians leave them out of
+the speed; these columns say what they cost. Exit code 2 with one ``error:`` line for a missing directory, one
 without event files, runs that logged no ``perf/`` tag from that step on, or an unknown baseline.
 """
 
@@ -39,6 +44,8 @@ SPEED_TAGS = {
     tags.PEAK_MEM: "peak_mem_GiB",
 }
 """The trainer's timing tags and their columns."""
+STALL_FACTOR = 3.0
+"""A step slower than this many times its arm's median step counts as a stall."""
 
 
 def speed_table(df: pd.DataFrame, from_step: int) -> pd.DataFrame:
@@ -75,6 +82,19 @@ def paired_ratios(df: pd.DataFrame, from_step: int, baseline: tuple[str, str]) -
     return times.div(times[baseline], axis=0).median()
 
 
+def stall_table(df: pd.DataFrame, from_step: int, factor: float = STALL_FACTOR) -> pd.DataFrame:
+    """Per (run, arm) of tidy scalars ``df`` that logged a step time from ``from_step`` on:
+    ``stalls``, the steps over ``factor`` times the arm's median step time, and ``stall_s``,
+    their summed seconds beyond that median."""
+    timed = df[(df["tag"] == tags.STEP_TIME) & (df["step"] >= from_step)]
+    by_arm = timed.groupby(["run", "arm"])["value"]
+    excess = timed["value"] - by_arm.transform("median")
+    stalled = timed["value"] > factor * by_arm.transform("median")
+    frame = pd.DataFrame({"stalls": stalled, "stall_s": excess.where(stalled, 0.0)})
+    keys = [timed["run"], timed["arm"]]
+    return frame.groupby(keys).agg(stalls=("stalls", "sum"), stall_s=("stall_s", "sum"))
+
+
 def resolve_baseline(table: pd.DataFrame, name: str | None) -> tuple[str, str]:
     """``RUN/ARM``, ``RUN`` (its first arm in the table) or None (the table's first row)."""
     rows = list(zip(table["run"], table["arm"], strict=True))
@@ -91,17 +111,21 @@ def resolve_baseline(table: pd.DataFrame, name: str | None) -> tuple[str, str]:
 def write_speed(
     paths: list[str], from_step: int, out: str | None, baseline: str | None = None
 ) -> dict[str, Path]:
-    """Read the runs, add each arm's wall time (None while a run is still going) and its paired
-    ratio to the baseline, write step_speed.md / .csv under ``out`` (default: the first run dir's
+    """Read the runs, add each arm's paired ratio to the baseline, its stalls and its wall time
+    (None while a run is still going), write step_speed.md / .csv under ``out`` (default: the first run dir's
     ``step_speed/``)."""
     found = discover(paths)
     df = load_found(found)
     table = speed_table(df, from_step)
     base = resolve_baseline(table, baseline)
     ratios = paired_ratios(df, from_step, base)
-    table["paired"] = [ratios.get((r, a)) for r, a in zip(table["run"], table["arm"], strict=True)]
+    keys = list(zip(table["run"], table["arm"], strict=True))
+    table["paired"] = [ratios.get(k) for k in keys]
+    stalls = stall_table(df, from_step)
+    table["stalls"] = [int(stalls.loc[k, "stalls"]) for k in keys]
+    table["stall_s"] = [round(float(stalls.loc[k, "stall_s"]), 3) for k in keys]
     wall = {(run, arm): (load_summary(d) or {}).get("wall_time_s") for d, run, arm in found}
-    table["wall_s"] = [wall.get((r, a)) for r, a in zip(table["run"], table["arm"], strict=True)]
+    table["wall_s"] = [wall.get(k) for k in keys]
     folder = Path(out) if out else Path(paths[0]) / "step_speed"
     folder.mkdir(parents=True, exist_ok=True)
     md = folder / "step_speed.md"

@@ -9,7 +9,7 @@ import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from stabilitylab import tags
-from stabilitylab.analysis.step_speed import main, paired_ratios, speed_table
+from stabilitylab.analysis.step_speed import main, paired_ratios, speed_table, stall_table
 
 
 def _rows(run, arm, tag, values, start=0, every=10):
@@ -53,6 +53,22 @@ def test_paired_ratios_take_the_median_over_shared_steps():
         paired_ratios(df, from_step=10, baseline=("z", "sig"))
 
 
+def test_stall_table_counts_steps_far_over_the_median_and_their_excess():
+    """A recompile at step 30 of one arm: one stall, its seconds beyond the median; a step 2.5x
+    the median is slow but no stall; an arm whose stall lies before from_step has none."""
+    rows = [
+        *_rows("r", "sig", tags.STEP_TIME, [60.0, 0.6, 0.5, 23.1, 0.55, 1.5, 0.62]),
+        *_rows("r", "soft", tags.STEP_TIME, [90.0, 0.8, 0.9, 0.7]),
+    ]
+    df = pd.DataFrame(rows, columns=["run", "arm", "step", "tag", "value"])
+    t = stall_table(df, from_step=10)
+    assert t.loc[("r", "sig"), "stalls"] == 1
+    assert t.loc[("r", "sig"), "stall_s"] == pytest.approx(23.1 - 0.61)
+    assert t.loc[("r", "soft"), "stalls"] == 0 and t.loc[("r", "soft"), "stall_s"] == 0.0
+    assert stall_table(df, from_step=0).loc[("r", "soft"), "stalls"] == 1
+    assert stall_table(df, from_step=10, factor=2.0).loc[("r", "sig"), "stalls"] == 2
+
+
 def test_step_speed_reads_run_dirs_end_to_end(tmp_path, capsys):
     """Event files as the trainer writes them, summary.json's wall time, the tables written."""
     for run, step_s in (("eager", 0.1), ("fast", 0.05)):
@@ -70,6 +86,10 @@ def test_step_speed_reads_run_dirs_end_to_end(tmp_path, capsys):
     table = pd.read_csv(out / "step_speed.csv")
     assert list(table["wall_s"]) == [12.5, 12.5]
     assert list(table["paired"]) == [1.0, 0.5]
+    assert list(table["stalls"]) == [0, 0] and list(table["stall_s"]) == [0.0, 0.0]
+    assert main([str(tmp_path / "eager"), "--from-step", "0", "--out", str(out)]) == 0
+    eager = pd.read_csv(out / "step_speed.csv").iloc[0]
+    assert eager["stalls"] == 1 and eager["stall_s"] == pytest.approx(29.9)
     assert main([str(tmp_path / "eager"), str(tmp_path / "fast"), "--from-step", "10",
                  "--out", str(out), "--baseline", "fast/sigmoid"]) == 0  # fmt: skip
     assert list(pd.read_csv(out / "step_speed.csv")["paired"]) == [2.0, 1.0]

@@ -30,9 +30,11 @@ Shapes: the sequence dimension of the tokens is marked dynamic (``maybe_mark_dyn
 jagged batches (every cell batch is as long as its longest cell) share one graph instead of one
 graph per length; no padding is added, so the softmax arm keeps SDPA's unmasked kernels on
 unpadded batches. The graphs of a run: one per value of the max-logit flag (the logit monitor's
-steps) times, for the softmax arm, one per value of the padding hint; ``recompile_limit`` is
-raised for the arms that one process trains one after another, and dynamo's caches are reset
-between arms.
+steps) times, for the softmax arm, one per value of the padding hint, and one more where a batch
+falls below a size inductor guarded on (at 160M / 8K on the H200: ``3072*T >= 5242880``, a
+micro-batch of four under 1,707 tokens; docs/BENCHMARKS.md, "Thirty steps at 8K");
+``recompile_limit`` is raised for the arms that one process trains one after another, and
+dynamo's caches are reset between arms.
 
 What runs outside the compiled graph, on the plain module ``Trainee.raw`` (the compiled module
 wraps it and shares its parameters): validation, the live Jacobian probe, the search for the
