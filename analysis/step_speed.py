@@ -87,10 +87,11 @@ def stall_table(df: pd.DataFrame, from_step: int, factor: float = STALL_FACTOR) 
     ``stalls``, the steps over ``factor`` times the arm's median step time, and ``stall_s``,
     their summed seconds beyond that median."""
     timed = df[(df["tag"] == tags.STEP_TIME) & (df["step"] >= from_step)]
-    by_arm = timed.groupby(["run", "arm"])["value"]
-    excess = timed["value"] - by_arm.transform("median")
-    stalled = timed["value"] > factor * by_arm.transform("median")
-    frame = pd.DataFrame({"stalls": stalled, "stall_s": excess.where(stalled, 0.0)})
+    median = timed.groupby(["run", "arm"])["value"].transform("median")
+    stalled = timed["value"] > factor * median
+    frame = pd.DataFrame(
+        {"stalls": stalled, "stall_s": (timed["value"] - median).where(stalled, 0.0)}
+    )
     keys = [timed["run"], timed["arm"]]
     return frame.groupby(keys).agg(stalls=("stalls", "sum"), stall_s=("stall_s", "sum"))
 
