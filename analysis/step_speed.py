@@ -20,8 +20,10 @@ in one run only moves one ratio, where it can move a median over a few steps by 
 ``stalls`` / ``stall_s``: the steps from ``--from-step`` on that took over ``STALL_FACTOR`` times
 the arm's median, and the seconds they took beyond it: a recompile, a kernel autotuned at a new
 length, a plan built (docs/BENCHMARKS.md, "Thirty steps at 8K"). The medians leave them out of
-the speed; these columns say what they cost. Exit code 2 with one ``error:`` line for a missing directory, one
-without event files, runs that logged no ``perf/`` tag from that step on, or an unknown baseline.
+the speed; these columns say what they cost.
+
+Exit code 2 with one ``error:`` line for a missing directory, one without event files, runs that
+logged no ``perf/`` tag from that step on, or an unknown baseline.
 """
 
 from __future__ import annotations
@@ -48,19 +50,25 @@ STALL_FACTOR = 3.0
 """A step slower than this many times its arm's median step counts as a stall."""
 
 
+def step_times(df: pd.DataFrame, from_step: int) -> pd.DataFrame:
+    """The rows of tidy scalars ``df`` that hold a step time logged at ``from_step`` or later."""
+    return df[(df["tag"] == tags.STEP_TIME) & (df["step"] >= from_step)]
+
+
 def speed_table(df: pd.DataFrame, from_step: int) -> pd.DataFrame:
     """One row per (run, arm) of tidy scalars ``df``: ``steps`` (logged step times from
     ``from_step`` on) and the median of each tag of ``SPEED_TAGS`` over those steps (NaN for a
     tag the arm did not log: MFU and memory are CUDA-only). Raises ValueError when no arm logged
     a step time from ``from_step`` on."""
-    timed = df[df["tag"].isin(list(SPEED_TAGS)) & (df["step"] >= from_step)]
-    if not (timed["tag"] == tags.STEP_TIME).any():
+    times = step_times(df, from_step)
+    if times.empty:
         raise ValueError(
             f"no {tags.STEP_TIME} logged at step >= {from_step} in these runs "
             "(shorter runs? lower --from-step)"
         )
+    timed = df[df["tag"].isin(list(SPEED_TAGS)) & (df["step"] >= from_step)]
     wide = timed.pivot_table(index=["run", "arm"], columns="tag", values="value", aggfunc="median")
-    counts = timed[timed["tag"] == tags.STEP_TIME].groupby(["run", "arm"])["step"].count()
+    counts = times.groupby(["run", "arm"])["step"].count()
     out = pd.DataFrame(index=wide.index)
     out["steps"] = counts.reindex(wide.index).fillna(0).astype(int)
     for tag, column in SPEED_TAGS.items():
@@ -72,7 +80,7 @@ def paired_ratios(df: pd.DataFrame, from_step: int, baseline: tuple[str, str]) -
     """Per (run, arm) of tidy scalars ``df``: the median over the steps from ``from_step`` on that
     it and ``baseline`` both logged of its step time over the baseline's (NaN where they share no
     step). Meaningful for runs that trained the same cells in the same order."""
-    timed = df[(df["tag"] == tags.STEP_TIME) & (df["step"] >= from_step)]
+    timed = step_times(df, from_step)
     times = timed.pivot_table(
         index="step", columns=["run", "arm"], values="value", aggfunc="median"
     )
@@ -86,7 +94,7 @@ def stall_table(df: pd.DataFrame, from_step: int, factor: float = STALL_FACTOR) 
     """Per (run, arm) of tidy scalars ``df`` that logged a step time from ``from_step`` on:
     ``stalls``, the steps over ``factor`` times the arm's median step time, and ``stall_s``,
     their summed seconds beyond that median."""
-    timed = df[(df["tag"] == tags.STEP_TIME) & (df["step"] >= from_step)]
+    timed = step_times(df, from_step)
     median = timed.groupby(["run", "arm"])["value"].transform("median")
     stalled = timed["value"] > factor * median
     frame = pd.DataFrame(
@@ -113,8 +121,8 @@ def write_speed(
     paths: list[str], from_step: int, out: str | None, baseline: str | None = None
 ) -> dict[str, Path]:
     """Read the runs, add each arm's paired ratio to the baseline, its stalls and its wall time
-    (None while a run is still going), write step_speed.md / .csv under ``out`` (default: the first run dir's
-    ``step_speed/``)."""
+    (None while a run is still going), write step_speed.md / .csv under ``out`` (default: the
+    first run dir's ``step_speed/``)."""
     found = discover(paths)
     df = load_found(found)
     table = speed_table(df, from_step)
