@@ -163,6 +163,8 @@ def test_variants_parse_and_name_unknowns():
     assert micro_batch_factor(variant_levers("all")) == 4
     assert micro_batch_factor(variant_levers("compile+mb2")) == 2
     assert micro_batch_factor(variant_levers("all+mb2")) == 4  # mb4 wins
+    assert micro_batch_factor(variant_levers("all+mb8")) == 8  # the largest wins
+    assert micro_batch_factor(variant_levers("coord")) == 1
     assert set(VARIANTS) == {"eager", "all", *LEVERS, *ALTERNATIVES, *DETERMINISTIC_VARIANTS}
     assert not variant_levers("all") & {*ALTERNATIVES, DETERMINISTIC}
     assert variant_levers("det") == {DETERMINISTIC}
@@ -223,7 +225,7 @@ def test_every_variant_computes_the_eager_step(arm):
             assert rig.compile_note.startswith("fullgraph"), (variant, rig.compile_note)
         loss = rig.loss()
         loss.backward()
-        if rig.levers & {"mb2", "mb4"}:
+        if micro_batch_factor(rig.levers) > 1:
             assert rig.batch[0].shape[0] == micro_batch_factor(rig.levers) and torch.isfinite(loss)
             continue
         torch.testing.assert_close(loss.detach(), ref.loss().detach(), rtol=1e-5, atol=1e-6)
@@ -344,6 +346,9 @@ def test_levers_join_with_plus_and_unknown_parts_are_named():
         parse_variants(["compile+mb3"])
     with pytest.raises(ValueError, match="'det'"):
         parse_variants(["all+det"])
+    assert variant_levers("all+coord") == {*LEVERS, "coord"}
+    with pytest.raises(ValueError, match="'coord' cannot join 'compile-cg' or 'autotune'"):
+        parse_variants(["all+coord+autotune"])
 
 
 def test_accum_steps_the_mean_of_its_micro_batches():

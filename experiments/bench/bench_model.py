@@ -8,9 +8,9 @@ memory per arm, and the cost of the default telemetry.
 
 Variants (stabilitylab/train/levers.py): ``eager`` (today's step), each speed lever alone
 (``compile``, ``mb4``, ``chunked-ce``, ``no-copies``, ``pad-vocab``, ``accum``), ``all`` of them,
-the alternatives (``mb2``, ``compile-blocks``, ``compile-cg``, ``autotune``), levers joined by
-``+`` (``compile+mb2+pad-vocab``, ``all+autotune``), and the
-deterministic ``det`` (eager) and ``det-all`` (all levers): the step under
+the alternatives (``mb2``, ``mb8``, ``compile-blocks``, ``compile-cg``, ``autotune``, ``coord``),
+levers joined by ``+`` (``compile+mb2+pad-vocab``, ``all+autotune``), and the deterministic
+``det`` (eager) and ``det-all`` (all levers): the step under
 ``torch.use_deterministic_algorithms(True)`` for that row's steps only, as train.deterministic
 runs it, with its backend (softmax -> softmax-triton, sigmoid-triton with its pinned configs).
 One row per arm x variant, labelled by the backend that ran (``softmax-triton / det``).

@@ -20,8 +20,8 @@ Levers (a variant is ``eager``, one lever alone, ``all`` of ``LEVERS``, or lever
 - ``compile-cg``: ``compile`` with inductor's ``mode="reduce-overhead"``: the compiled forward
   and backward replayed as CUDA graphs (static shapes, so the launches and the host gap between
   them go); on CPU, or with another backend than inductor, the same as ``compile``.
-- ``mb4``: four sequences per micro-batch (the per-sequence figures compare); ``mb2``, its
-  alternative, two (``mb4`` wins where both are named).
+- ``mb4``: four sequences per micro-batch (the per-sequence figures compare); ``mb2`` and
+  ``mb8``, its alternatives, two and eight (the largest named wins).
 - ``chunked-ce``: ``stabilitylab.chunked_loss.linear_cross_entropy_sum`` on the final norm's
   output: no full logits; the same loss to rounding. The labelled rows are counted once at
   build on the host, as the trainer's batches count them, so the step does not wait for them.
@@ -76,13 +76,13 @@ from stabilitylab.train.build import make_optimizer
 from stabilitylab.train.fast import failure_reason, raise_recompile_limit
 
 LEVERS = ("compile", "mb4", "chunked-ce", "no-copies", "pad-vocab", "accum")
-ALTERNATIVES = ("compile-blocks", "compile-cg", "autotune", "mb2")
+ALTERNATIVES = ("compile-blocks", "compile-cg", "autotune", "coord", "mb2", "mb8")
 """Variants measured alone but not part of ``all`` (another form of a lever in ``LEVERS``)."""
 DETERMINISTIC = "det"
 """The mode of the deterministic variants (module docstring), carried in a rig's levers."""
 DETERMINISTIC_VARIANTS = {"det": "eager", "det-all": "all"}
 """Each deterministic variant and the variant whose levers it takes."""
-COMPILED = frozenset({"compile", "compile-blocks", "compile-cg", "autotune"})
+COMPILED = frozenset({"compile", "compile-blocks", "compile-cg", "autotune", "coord"})
 """The levers that compile the model."""
 VARIANTS = ("eager", *LEVERS, *ALTERNATIVES, "all", *DETERMINISTIC_VARIANTS)
 """The named variants; levers joined by ``+`` are variants too (``variant_levers``)."""
@@ -102,7 +102,10 @@ def variant_levers(variant: str) -> frozenset[str]:
                     f"unknown lever {p!r} in variant {variant!r}; join levers from "
                     f"{[*LEVERS, *ALTERNATIVES, 'all']} with '+'"
                 )
-        return frozenset().union(*(variant_levers(p) for p in parts))
+        levers = frozenset().union(*(variant_levers(p) for p in parts))
+        if "coord" in levers and levers & {"compile-cg", "autotune"}:
+            raise ValueError(f"variant {variant!r}: 'coord' cannot join 'compile-cg' or 'autotune'")
+        return levers
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {list(VARIANTS)}")
     if variant in DETERMINISTIC_VARIANTS:
@@ -113,9 +116,9 @@ def variant_levers(variant: str) -> frozenset[str]:
 
 
 def micro_batch_factor(levers: frozenset[str]) -> int:
-    """How many times the caller's micro-batch a rig's batch holds: 4 with ``mb4`` (over
-    ``mb2``), 2 with ``mb2``, else 1."""
-    return 4 if "mb4" in levers else 2 if "mb2" in levers else 1
+    """How many times the caller's micro-batch a rig's batch holds: the largest of ``mb8``,
+    ``mb4``, ``mb2`` named (8, 4, 2), else 1."""
+    return next((f for f in (8, 4, 2) if f"mb{f}" in levers), 1)
 
 
 def deterministic_backend(backend: str, cuda: bool) -> str:
@@ -321,6 +324,8 @@ def _compile_traced(rig: StepRig, targets: list[torch.nn.Module], compile_backen
             kw["mode"] = "reduce-overhead"
         elif "autotune" in rig.levers:
             kw["mode"] = "max-autotune-no-cudagraphs"
+        elif "coord" in rig.levers:
+            kw["options"] = {"coordinate_descent_tuning": True}
     try:
         for m in targets:
             m.compile(fullgraph=True, dynamic=False, **kw)
