@@ -160,10 +160,10 @@ def test_variants_parse_and_name_unknowns():
     assert parse_variants(["eager", "all", "eager"]) == ["eager", "all"]
     assert variant_levers("all") == frozenset(LEVERS) and "pad-vocab" in LEVERS
     assert variant_levers("mb2") == frozenset({"mb2"})
-    assert micro_batch_factor(variant_levers("all")) == 4
+    assert micro_batch_factor(variant_levers("all")) == 8
     assert micro_batch_factor(variant_levers("compile+mb2")) == 2
-    assert micro_batch_factor(variant_levers("all+mb2")) == 4  # mb4 wins
-    assert micro_batch_factor(variant_levers("all+mb8")) == 8  # the largest wins
+    assert micro_batch_factor(variant_levers("all+mb4")) == 8  # the largest wins
+    assert micro_batch_factor(variant_levers("mb2+mb4")) == 4
     assert micro_batch_factor(variant_levers("coord")) == 1
     assert set(VARIANTS) == {"eager", "all", *LEVERS, *ALTERNATIVES, *DETERMINISTIC_VARIANTS}
     assert not variant_levers("all") & {*ALTERNATIVES, DETERMINISTIC}
@@ -212,8 +212,9 @@ def _grads(model):
 
 @pytest.mark.parametrize("arm", ["softmax", "sigmoid-reference"])
 def test_every_variant_computes_the_eager_step(arm):
-    """Loss and gradients of the first step of each variant equal eager's (mb2 / mb4: its first row is
-    eager's batch, and the loss is finite); compile traces the whole model (fullgraph)."""
+    """Loss and gradients of the first step of each variant equal eager's (mb2 / mb4 / mb8: its
+    first row is eager's batch, and the loss is finite); compile traces the whole model
+    (fullgraph)."""
     cfg = smoke()
     rigs = {v: build_rig(cfg, arm, v, "cpu", compile_backend="aot_eager") for v in VARIANTS}
     ref = rigs.pop("eager")

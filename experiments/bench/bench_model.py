@@ -3,12 +3,12 @@ memory per arm, and the cost of the default telemetry.
 
     python experiments/bench/bench_model.py                   # 160M, T=8192, micro-batch 1
     python experiments/bench/bench_model.py --arms softmax sigmoid-triton --steps 10
-    python experiments/bench/bench_model.py --variants eager compile mb4 chunked-ce no-copies \
+    python experiments/bench/bench_model.py --variants eager compile mb8 chunked-ce no-copies \
         pad-vocab all det det-all
 
 Variants (stabilitylab/train/levers.py): ``eager`` (today's step), each speed lever alone
-(``compile``, ``mb4``, ``chunked-ce``, ``no-copies``, ``pad-vocab``, ``accum``), ``all`` of them,
-the alternatives (``mb2``, ``mb8``, ``compile-blocks``, ``compile-cg``, ``autotune``, ``coord``),
+(``compile``, ``mb8``, ``chunked-ce``, ``no-copies``, ``pad-vocab``, ``accum``), ``all`` of them,
+the alternatives (``mb2``, ``mb4``, ``compile-blocks``, ``compile-cg``, ``autotune``, ``coord``),
 levers joined by ``+`` (``compile+mb2+pad-vocab``, ``all+autotune``), and the deterministic
 ``det`` (eager) and ``det-all`` (all levers): the step under
 ``torch.use_deterministic_algorithms(True)`` for that row's steps only, as train.deterministic
