@@ -130,9 +130,9 @@ def write_speed(
     ratios = paired_ratios(df, from_step, base)
     keys = list(zip(table["run"], table["arm"], strict=True))
     table["paired"] = [ratios.get(k) for k in keys]
-    stalls = stall_table(df, from_step)
-    table["stalls"] = [int(stalls.loc[k, "stalls"]) for k in keys]
-    table["stall_s"] = [round(float(stalls.loc[k, "stall_s"]), 3) for k in keys]
+    stalls = stall_table(df, from_step).reindex(keys, fill_value=0)  # an arm with no step time
+    table["stalls"] = stalls["stalls"].astype(int).to_list()
+    table["stall_s"] = stalls["stall_s"].astype(float).round(3).to_list()
     wall = {(run, arm): (load_summary(d) or {}).get("wall_time_s") for d, run, arm in found}
     table["wall_s"] = [wall.get(k) for k in keys]
     folder = Path(out) if out else Path(paths[0]) / "step_speed"

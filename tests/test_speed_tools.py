@@ -93,6 +93,12 @@ def test_step_speed_reads_run_dirs_end_to_end(tmp_path, capsys):
     assert main([str(tmp_path / "eager"), str(tmp_path / "fast"), "--from-step", "10",
                  "--out", str(out), "--baseline", "fast/sigmoid"]) == 0  # fmt: skip
     assert list(pd.read_csv(out / "step_speed.csv")["paired"]) == [2.0, 1.0]
+    w = SummaryWriter(str(tmp_path / "mfu_only" / "sigmoid"))  # a speed tag, no step time
+    w.add_scalar(tags.MFU, 0.4, 60)
+    w.close()
+    assert main([str(tmp_path / "eager"), str(tmp_path / "mfu_only"), "--out", str(out)]) == 0
+    no_time = pd.read_csv(out / "step_speed.csv").iloc[1]
+    assert no_time["steps"] == 0 and no_time["stalls"] == 0 and no_time["stall_s"] == 0.0
     capsys.readouterr()
     assert main([str(tmp_path / "eager"), "--out", str(out), "--baseline", "nope"]) == 2
     assert "--baseline nope is not among the runs read: eager/sigmoid" in capsys.readouterr().err
