@@ -11,7 +11,14 @@ run name, the study directory's parent), then every numeric column is summarised
 the runs: ``mean``, ``std`` (sample, ddof 1; NaN with one run), ``min``, ``max`` and ``n``. Writes
 ``<table>_runs.csv`` (all rows), ``<table>_spread.csv`` and ``compare.md`` (every run's main
 columns side by side, e.g. ablations of one cell; then mean ± std for cells with several runs,
-e.g. seeds) under ``--out``.
+e.g. seeds) under ``--out``. Tables with a ``text`` column (test, heldout) are grouped per text
+and cell.
+
+Seeds decide a comparison by an interval: where every study holds ``comparisons.csv`` (each
+PPL difference with its paired bootstrap interval over windows), ``comparisons_seeds.csv`` and
+the last section of compare.md give per comparison the mean difference over the runs with its
+Student-t 95% interval, and how many runs' own intervals decided each way
+(``analysis.kv_intervals.seed_comparisons``).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from stabilitylab.analysis.kv_intervals import seed_comparisons
 from stabilitylab.analysis.markdown import table as markdown_table
 
 TABLES = ("table1", "table2")
@@ -29,7 +37,8 @@ KEY = "cell"
 SHOWN = {
     "table1": ["test_ppl", "train_val_ppl"],
     "table2": ["tau_star", "test_compression", "test_ppl_tau0", "test_ppl_tau_star",
-               "delta_ppl_vs_tau0", "h2o_test_ppl", "keydiff_test_ppl"],
+               "backbone_test_ppl", "h2o_test_ppl", "keydiff_test_ppl", "h2o_even_test_ppl",
+               "gate_keys_read_frac"],
 }  # fmt: skip
 """The columns ``compare.md`` shows per run (the CSVs keep every column)."""
 
@@ -65,13 +74,19 @@ def read_tables(
     return pd.concat(frames, ignore_index=True)
 
 
+def _keys(df: pd.DataFrame, key: str) -> list[str]:
+    return ["text", key] if "text" in df.columns else [key]
+
+
 def spread(df: pd.DataFrame, key: str = KEY) -> pd.DataFrame:
-    """Per ``key`` value, each numeric column's mean, std (ddof 1), min, max over the rows, and
-    the number of runs; one column per (statistic, quantity), named ``<quantity>_<stat>``."""
+    """Per ``key`` value (and text, where the tables have one), each numeric column's mean, std
+    (ddof 1), min, max over the rows, and the number of runs; one column per (statistic,
+    quantity), named ``<quantity>_<stat>``."""
     if key not in df.columns:
         raise ValueError(f"no {key!r} column to group by (columns: {list(df.columns)})")
-    numeric = [c for c in df.select_dtypes("number").columns if c != key]
-    grouped = df.groupby(key, sort=False)
+    keys = _keys(df, key)
+    numeric = [c for c in df.select_dtypes("number").columns if c not in keys]
+    grouped = df.groupby(keys, sort=False)
     out = grouped[numeric].agg(["mean", "std", "min", "max"])
     out.columns = [f"{q}_{stat}" for q, stat in out.columns]
     out.insert(0, "n_runs", grouped["run"].nunique())
@@ -82,7 +97,7 @@ def mean_pm_std(sp: pd.DataFrame, quantities: Sequence[str], key: str = KEY) -> 
     """A compact view for markdown: ``mean ± std`` per quantity (``mean`` alone with one run)."""
     rows = []
     for r in sp.itertuples(index=False):
-        row = {key: getattr(r, key), "runs": r.n_runs}
+        row = {k: getattr(r, k) for k in _keys(sp, key)} | {"runs": r.n_runs}
         for q in quantities:
             m, s = getattr(r, f"{q}_mean"), getattr(r, f"{q}_std")
             row[q] = f"{m:.4g}" if pd.isna(s) else f"{m:.4g} ± {s:.2g}"
@@ -106,7 +121,12 @@ def write_compare(
         df.to_csv(out / f"{name}_runs.csv", index=False)
         sp.to_csv(out / f"{name}_spread.csv", index=False)
         shown = [c for c in SHOWN[name] if c in df.columns]
-        parts += [f"## {name}: every run", "", markdown_table(df[[KEY, "run", *shown]]), ""]
+        parts += [
+            f"## {name}: every run",
+            "",
+            markdown_table(df[[*_keys(df, KEY), "run", *shown]]),
+            "",
+        ]
         repeated = sp[sp["n_runs"] > 1]
         if spread_md and len(repeated):
             view = mean_pm_std(repeated, shown)
@@ -116,9 +136,28 @@ def write_compare(
                 markdown_table(view),
                 "",
             ]
+    parts += _seed_comparisons(study_dirs, out, labels, spread_md)
     path = out / "compare.md"
     path.write_text("\n".join(parts))
     return path
+
+
+def _seed_comparisons(study_dirs, out: Path, labels, spread_md: bool) -> list[str]:
+    """compare.md's section on the comparisons over runs (where every study has them)."""
+    if not all((Path(d) / "comparisons.csv").is_file() for d in study_dirs):
+        return []
+    per_run = read_tables(study_dirs, "comparisons", labels)
+    per_run.to_csv(out / "comparisons_runs.csv", index=False)
+    if not spread_md or per_run.empty:
+        return []
+    seeds = seed_comparisons(per_run)
+    seeds.to_csv(out / "comparisons_seeds.csv", index=False)
+    caption = (
+        "Each comparison's difference a - b (PPL) per run, their mean with the Student-t 95% "
+        "interval over runs, and how many runs' own bootstrap intervals found a or b better; "
+        "`verdict` is the mean interval's (undecided where it spans 0)."
+    )
+    return ["## comparisons over the runs", "", caption, "", markdown_table(seeds), ""]
 
 
 def main(argv: list[str] | None = None) -> int:

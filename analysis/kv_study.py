@@ -34,27 +34,37 @@ from stabilitylab.analysis.kv_figures import (  # noqa: E402
     figure_perturbation,
     figure_rowsum_binarization,
 )
+from stabilitylab.analysis.kv_intervals import comparisons  # noqa: E402
 from stabilitylab.analysis.markdown import table as md_table  # noqa: E402
 
 FIG1 = "fig1_ppl_vs_compression.png"
 FIG2 = "fig2_support_removal.png"
 FIG3 = "fig3_rowsum_binarization.png"
 FIG4 = "fig4_gate_categories.png"
-EVICTION_TABLES = ("table1", "table2", "table5", "decode_speed")
+EVICTION_TABLES = ("table1", "table2", "table5", "sweep_test", "comparisons", "decode_speed")
+WINDOWS = "windows"
+"""Every evaluation's per-window NLL (``windows.csv.gz``; not drawn into study.md)."""
 PROBE_TABLES = (
     "table4_categories", "extreme_tokens", "support_removal", "support_removal_summary",
     "rowsum_binarization", "rowsum_binarization_summary",
 )  # fmt: skip
 CAPTIONS = {
-    "table1": "Table 1: dense decode-window perplexity on test of every cell (gated cells at "
-    "tau = 0, nothing evicted); train_val_ppl is the training's last validation pass "
-    "(full-context forward, not the decode window).",
-    "table2": "Table 2: each gated cell at its tau* (selected on validation, frozen, then run on "
-    "test): compression and test PPL against its dense backbone and H2O / KeyDiff on that "
-    "backbone at the matched final live-cache size per window and layer.",
-    "table5": "Table 5: the validation sweep over the tau grid per gated cell (delta_ppl against "
-    "the same model at tau = 0; compression over all layers, over the evictable layers, per "
-    "layer); `selected` marks tau*.",
+    "table1": "Table 1: decode-window perplexity of every cell with nothing evicted (gated cells at "
+    "tau = 0), per text (test: the training corpus's test split; heldout: another corpus), with "
+    "its bootstrap 95% interval over windows; train_val_ppl is the training's last validation "
+    "pass (full-context forward); dead_gate_layers lists gate layers the training switched off.",
+    "table2": "Table 2: each gated cell at its tau* (selected on validation by the rule, frozen, "
+    "then run on each text): compression, PPL with its interval, against its dense backbone and "
+    "the baselines on that backbone (h2o / keydiff: matched to the gate's live cache step by "
+    "step; h2o_even: the gate's total spread evenly over layers; *_final: matched to the final "
+    "size only); keys_read_frac = keys read over the decode / the dense backbone's.",
+    "table5": "Table 5: the validation sweep over the tau grid per gated cell (delta to the same "
+    "model at tau = 0, in PPL and ln PPL; compression over all layers, the evictable layers, per "
+    "layer; keys read); `accepted` by the rule, `selected` marks tau*.",
+    "sweep_test": "The tau grid on test, reported beside the frozen tau* (it selects nothing): "
+    "PPL with its bootstrap interval, deltas to tau = 0, compression.",
+    "comparisons": "Every PPL difference stated above, a - b on the same windows, with its paired "
+    "bootstrap 95% interval; verdict `a better` / `b better` only where the interval excludes 0.",
     "decode_speed": "Decode wall-clock on test at tau* against the same model at tau = 0: "
     "whole evaluation (prefill included) in the eager decode loop, synchronised on CUDA; the "
     "median seconds of `repeats` alternating runs (min / max beside it), the speedup of the "
@@ -96,20 +106,32 @@ def write_table(df: pd.DataFrame, out_dir: Path, name: str) -> dict[str, Path]:
 # ---- Figure 1 ---------------------------------------------------------------------------------
 
 
-def _panel(ax, sweep: pd.DataFrame, row: pd.Series | None, colour) -> None:
-    """One gated cell: the validation sweep (line), tau* on it (star), its test point at tau*
-    and the baselines' test points at the matched budget (markers), the backbone's test PPL
-    (dashed)."""
+BASELINE_MARKERS = (
+    ("h2o", "^", "H2O (step-matched)"), ("keydiff", "s", "KeyDiff (step-matched)"),
+    ("h2o_even", "v", "H2O (even over layers)"), ("h2o_final", "<", "H2O (final size)"),
+    ("keydiff_final", ">", "KeyDiff (final size)"),
+)  # fmt: skip
+
+
+def _panel(ax, sweep: pd.DataFrame, test: pd.DataFrame, row: pd.Series | None, colour) -> None:
+    """One gated cell: the validation sweep (line), tau* on it (star), the test grid (dotted),
+    its test point at tau* with its interval and the baselines' test points at the matched
+    budget (markers), the backbone's test PPL (dashed)."""
     sweep = sweep.sort_values("compression")
     ax.plot(sweep["compression"], sweep["ppl"], "o-", color=colour, ms=3, lw=1, label="val sweep")
     star = sweep[sweep["selected"].astype(bool)]
     ax.plot(star["compression"], star["ppl"], "*", color=colour, ms=13, label="tau* (val)")
+    if len(test):
+        test = test.sort_values("compression")
+        ax.plot(test["compression"], test["ppl"], ":", color=colour, lw=1, label="test grid")
     if row is None:
         return
-    ax.plot(row["test_compression"], row["test_ppl_tau_star"], "o", mfc="none", mec=colour,
-            ms=9, mew=1.5, label="gate, test")  # fmt: skip
-    for key, marker, label in (("h2o", "^", "H2O, test"), ("keydiff", "s", "KeyDiff, test")):
-        if np.isfinite(row[f"{key}_test_ppl"]):
+    y, lo, hi = row["test_ppl_tau_star"], row["test_ppl_tau_star_lo"], row["test_ppl_tau_star_hi"]
+    yerr = [[y - lo], [hi - y]] if np.isfinite(lo) and np.isfinite(hi) else None
+    ax.errorbar(row["test_compression"], y, yerr=yerr, fmt="o", mfc="none", mec=colour,
+                ecolor=colour, ms=9, mew=1.5, label="gate at tau*, test")  # fmt: skip
+    for key, marker, label in BASELINE_MARKERS:
+        if f"{key}_test_ppl" in row and np.isfinite(row[f"{key}_test_ppl"]):
             ax.plot(row[f"{key}_compression"], row[f"{key}_test_ppl"], marker, color="0.3",
                     ms=7, label=label)  # fmt: skip
     if np.isfinite(row["backbone_test_ppl"]):
@@ -117,18 +139,24 @@ def _panel(ax, sweep: pd.DataFrame, row: pd.Series | None, colour) -> None:
                    label=f"{row['backbone']} dense, test")  # fmt: skip
 
 
-def ppl_vs_compression_figure(table5: pd.DataFrame, table2: pd.DataFrame, path: Path) -> Path:
+def ppl_vs_compression_figure(
+    table5: pd.DataFrame, table2: pd.DataFrame, path: Path, sweep_test: pd.DataFrame | None = None
+) -> Path:
     """Per gated cell, perplexity against compression (Figure 1). Validation and test share the
-    axes but not the windows: the line is the validation sweep, the open markers are test."""
+    axes but not the windows: the solid line is the validation sweep, the rest is test."""
     cells = list(dict.fromkeys(table5["cell"])) if len(table5) else []
     n = max(1, len(cells))
     cols = min(n, 2)
     rows = -(-n // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.0 * rows), squeeze=False)
     palette = sns.color_palette("tab10", n)
-    by_cell = {r["cell"]: r for _, r in table2.iterrows()}
+    on_test = table2[table2["text"] == "test"] if "text" in table2.columns else table2
+    by_cell = {r["cell"]: r for _, r in on_test.iterrows()}
+    empty = pd.DataFrame(columns=["cell", "compression", "ppl"])
+    test = sweep_test if sweep_test is not None and len(sweep_test) else empty
     for ax, cell, colour in zip(axes.flat, cells, palette, strict=False):
-        _panel(ax, table5[table5["cell"] == cell], by_cell.get(cell), colour)
+        _panel(ax, table5[table5["cell"] == cell], test[test["cell"] == cell],
+               by_cell.get(cell), colour)  # fmt: skip
         ax.set_title(cell)
         ax.set_xlabel("compression (evicted / written, all layers)")
         ax.set_ylabel("decode-window perplexity")
@@ -154,7 +182,9 @@ def study_figures(tables: dict[str, pd.DataFrame], out_dir: Path) -> dict[str, P
     """Every figure, drawn from the tables alone (so a merge of studies redraws them): Figure 1
     always; Figures 2-3 and the category bars where the diagnostics ran."""
     figures = {
-        "fig1": ppl_vs_compression_figure(tables["table5"], tables["table2"], out_dir / FIG1)
+        "fig1": ppl_vs_compression_figure(
+            tables["table5"], tables["table2"], out_dir / FIG1, tables.get("sweep_test")
+        )
     }
     if len(tables.get("support_removal", ())):
         figures["fig2"] = figure_perturbation(tables["support_removal"], out_dir / FIG2)
@@ -165,23 +195,96 @@ def study_figures(tables: dict[str, pd.DataFrame], out_dir: Path) -> dict[str, P
     return figures
 
 
+SHOWN = {
+    "table2": ["text", "cell", "tau_star", "test_compression", "test_ppl_tau_star",
+               "test_ppl_tau_star_lo", "test_ppl_tau_star_hi", "test_ppl_tau0",
+               "backbone_test_ppl", "h2o_test_ppl", "keydiff_test_ppl", "h2o_even_test_ppl",
+               "gate_keys_read_frac", "h2o_keys_read_frac"],
+    "table5": ["cell", "tau", "ppl", "delta_ppl", "delta_log_ppl", "compression", "accepted",
+               "selected"],
+}  # fmt: skip
+"""Columns study.md shows of its wide tables (the CSV and .md files keep every column)."""
+SUMMARISED = {
+    "table5": "the selected tau* of each cell; every grid point: table5.md",
+    "sweep_test": "every grid point on test: sweep_test.md (drawn in Figure 1)",
+    "support_removal": "per layer and window set: support_removal.md; the mean over layers: "
+    "support_removal_summary below",
+    "rowsum_binarization": "per layer: rowsum_binarization.md; the mean over layers: "
+    "rowsum_binarization_summary below",
+}
+
+
+def _body(name: str, df: pd.DataFrame) -> str:
+    """A table as study.md shows it: the chosen columns, long tables summarised."""
+    if name == "decode_speed" and df.empty:
+        return NOT_TIMED
+    if name in SUMMARISED:
+        if name == "table5" and "selected" in df.columns and len(df):
+            df = df[df["selected"].astype(bool)]
+        elif name != "table5":
+            return f"Not shown here: {SUMMARISED[name]}."
+        note = f"\n\nShown: {SUMMARISED[name]}."
+    else:
+        note = ""
+    cols = [c for c in SHOWN.get(name, df.columns) if c in df.columns]
+    return md_table(df[cols]) + note
+
+
+def _fmt(iv_row: pd.Series) -> str:
+    return f"{iv_row['diff']:+.3g} [{iv_row['lo']:+.3g}, {iv_row['hi']:+.3g}]"
+
+
+def headline(tables: dict[str, pd.DataFrame]) -> str:
+    """study.md's first lines: what ran and what held, per gated cell, with the intervals that
+    decide it."""
+    t1, t2, cmp = tables["table1"], tables["table2"], tables.get("comparisons")
+    test1 = t1[t1["text"] == "test"] if "text" in t1.columns else t1
+    ran = f"{HEADLINE_START} {len(test1)} cells ({', '.join(test1['cell'])}) scored on test"
+    if "text" in t1.columns and (t1["text"] == "heldout").any():
+        ran += " and a held-out text"
+    if not len(t2):
+        return ran + "; no gated cell, so nothing is evicted."
+    test2 = t2[t2["text"] == "test"] if "text" in t2.columns else t2
+    if (test2["test_compression"] == 0).all():
+        return ran + (
+            ". **Held:** nothing is evicted at this size: every gate stays above every grid "
+            "point, so tau* = 0 and each baseline equals its dense backbone (a check of the "
+            "plumbing, not of the paper's question)."
+        )
+    clauses = []
+    for _, r in test2.iterrows():
+        c = f"{r['cell']} evicts {r['test_compression']:.1%} at tau* {r['tau_star']:g}"
+        if cmp is not None and len(cmp):
+            mine = cmp[(cmp["text"] == "test") & (cmp["a"].str.startswith(r["cell"] + " "))]
+            for kind in ("eviction cost", "tau0 gap", "gate vs h2o"):
+                hit = mine[mine["comparison"] == kind]
+                if len(hit):
+                    h = hit.iloc[0]
+                    c += f"; {kind} {_fmt(h)} PPL ({h['verdict']})"
+        clauses.append(c)
+    return (
+        ran
+        + ". **Held** (a - b with 95% intervals; `a better` = lower PPL): "
+        + "; ".join(clauses)
+        + "."
+    )
+
+
 def study_markdown(
     tables: dict[str, pd.DataFrame], figures: dict[str, Path], out_dir: Path, header: str = ""
 ) -> str:
-    """study.md's text: the eviction tables, the diagnostics' tables (or a line saying they did
-    not run), then the figures."""
-    lines = ["# KV-eviction study", ""]
+    """study.md's text: a headline, the eviction tables, the diagnostics' tables (or a line
+    saying they did not run; long ones summarised), then the figures."""
+    lines = ["# KV-eviction study", "", headline(tables), ""]  # opens with HEADLINE_START
     if header:
         lines += [header, ""]
     for name in EVICTION_TABLES:
-        df = tables[name]
-        body = NOT_TIMED if name == "decode_speed" and df.empty else md_table(df)
-        lines += _section(name, CAPTIONS[name], body)
+        lines += _section(name, CAPTIONS[name], _body(name, tables[name]))
     probes = [n for n in PROBE_TABLES if n in tables]
     if not probes:
         lines += ["## Diagnostics", "", "Not run with this report.", ""]
     for name in probes:
-        lines += _section(name, CAPTIONS[name], md_table(tables[name]))
+        lines += _section(name, CAPTIONS[name], _body(name, tables[name]))
     for name, path in figures.items():
         lines += [f"## {name}", "", f"![{name}]({os.path.relpath(path, out_dir)})", ""]
     return "\n".join(lines)
@@ -190,9 +293,10 @@ def study_markdown(
 def write_study(
     tables: dict[str, pd.DataFrame], out_dir: Path, header: str = ""
 ) -> dict[str, Path]:
-    """Every file of the study under ``out_dir`` (created): each table as CSV and markdown, the
-    figures, study.md; returns ``{file name: path}``. ``tables``: ``StudyResult.tables()`` and,
-    where the diagnostics ran, ``probe_tables``'s."""
+    """Every file of the study under ``out_dir`` (created): each table as CSV and markdown (the
+    per-window records as ``windows.csv.gz`` only), the figures, study.md; returns ``{file
+    name: path}``. ``tables``: ``StudyResult.tables()`` and, where the diagnostics ran,
+    ``probe_tables``'s."""
     missing = [n for n in EVICTION_TABLES if n not in tables]
     if missing:
         raise ValueError(f"the study's tables {missing} are missing (have {sorted(tables)})")
@@ -200,7 +304,11 @@ def write_study(
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     for name, df in tables.items():
-        paths.update(write_table(df, out_dir, name))
+        if name == WINDOWS:
+            paths[f"{WINDOWS}.csv.gz"] = out_dir / f"{WINDOWS}.csv.gz"
+            df.to_csv(paths[f"{WINDOWS}.csv.gz"], index=False)
+        else:
+            paths.update(write_table(df, out_dir, name))
     figures = study_figures(tables, out_dir)
     paths.update({p.name: p for p in figures.values()})
     paths["study.md"] = out_dir / "study.md"
@@ -208,10 +316,14 @@ def write_study(
     return paths
 
 
+HEADLINE_START = "**Ran:**"
+
+
 def _header_of(study_dir: Path) -> str:
     """The header paragraph of a study's study.md (its run, cells, windows and device)."""
-    parts = (study_dir / "study.md").read_text().split("\n\n")
-    return parts[1].strip() if len(parts) > 1 and not parts[1].startswith("#") else str(study_dir)
+    parts = [p.strip() for p in (study_dir / "study.md").read_text().split("\n\n")[1:]]
+    parts = [p for p in parts if not p.startswith(HEADLINE_START)]
+    return parts[0] if parts and not parts[0].startswith("#") else str(study_dir)
 
 
 def _read_csv(path: Path) -> pd.DataFrame:
@@ -231,17 +343,21 @@ def _concat(parts: list[pd.DataFrame]) -> pd.DataFrame:
 
 
 def read_study(study_dir: str | Path) -> dict[str, pd.DataFrame]:
-    """The tables a study folder holds (its CSVs), by name."""
+    """The tables a study folder holds (its CSVs, the per-window records included), by name."""
     d = Path(study_dir)
     names = (*EVICTION_TABLES, *PROBE_TABLES)
-    return {n: _read_csv(d / f"{n}.csv") for n in names if (d / f"{n}.csv").is_file()}
+    tables = {n: _read_csv(d / f"{n}.csv") for n in names if (d / f"{n}.csv").is_file()}
+    if (d / f"{WINDOWS}.csv.gz").is_file():
+        tables[WINDOWS] = _read_csv(d / f"{WINDOWS}.csv.gz")
+    return tables
 
 
 def study_header(study_dir: str | Path) -> str:
-    """The whole header of a study's study.md: the text between its title and first section."""
+    """The header of a study's study.md: the text between its headline and first section."""
     text = (Path(study_dir) / "study.md").read_text()
     body = text.split("\n", 1)[1] if text.startswith("# ") else text
-    return body.split("\n## ", 1)[0].strip()
+    parts = body.split("\n## ", 1)[0].strip().split("\n\n")
+    return "\n\n".join(p for p in parts if not p.startswith(HEADLINE_START)).strip()
 
 
 def merge_studies(study_dirs: list[str | Path], out_dir: str | Path) -> dict[str, Path]:
@@ -250,11 +366,14 @@ def merge_studies(study_dirs: list[str | Path], out_dir: str | Path) -> dict[str
     dirs = [Path(d) for d in study_dirs]
     read = [read_study(d) for d in dirs]
     tables: dict[str, pd.DataFrame] = {}
-    for name in (*EVICTION_TABLES, *PROBE_TABLES):
+    for name in (*EVICTION_TABLES, *PROBE_TABLES, WINDOWS):
         parts = [r[name] for r in read if name in r]
         if parts:
             tables[name] = _concat(parts)
-    cells = tables["table1"]["cell"] if "table1" in tables else pd.Series(dtype=str)
+    if WINDOWS in tables:  # across processes: softmax and sigmoid sit in different pairs
+        tables["comparisons"] = comparisons(tables[WINDOWS])
+    t1 = tables.get("table1", pd.DataFrame(columns=["cell"]))
+    cells = t1[t1["text"] == "test"]["cell"] if "text" in t1.columns else t1["cell"]
     if cells.duplicated().any():
         raise ValueError(f"cells {sorted(set(cells[cells.duplicated()]))} are in two studies")
     header = "\n".join([f"Merged from {', '.join(str(d) for d in dirs)}:", ""] + [
@@ -317,7 +436,11 @@ def study_report(cfg, device: str | None = None, *, grid=None, progress: bool = 
         f"{d.prefill} + {d.window} scored tokens; {len(inputs.val.indices(d, inputs.val_windows))} "
         f"validation and {len(inputs.test.indices(d, inputs.test_windows))} test windows; "
         f"diagnostics on {cfg.study.probe_windows} test windows; device {device}; tau grid "
-        f"{list(inputs.grid)}."
+        f"{list(inputs.grid)}; tau* rule {inputs.rule.describe()} on validation; baselines "
+        f"{', '.join(inputs.baselines) or 'none'}"
+        + (f" on {inputs.baseline_windows} test windows" if inputs.baseline_windows else "")
+        + (f"; held-out text: {inputs.heldout_name}" if inputs.heldout is not None else "")
+        + f"; intervals: paired bootstrap over windows, {inputs.n_boot} resamples."
     )
     return write_study(tables, Path(cfg.study.out_dir or run_dir / "study"), header)
 
@@ -328,6 +451,8 @@ def check_test_windows(table1: pd.DataFrame, cells, inputs) -> None:
     from stabilitylab.eviction.cells import StudyError
 
     n = len(inputs.test.indices(inputs.decode, inputs.test_windows)) * inputs.decode.window
+    if "text" in table1.columns:
+        table1 = table1[table1["text"] == "test"]
     written = dict(zip(table1["cell"], table1["n_targets"], strict=True))
     for cell in cells:
         if written.get(cell) != n:
@@ -362,7 +487,7 @@ def time_study(cfg, study_dir=None, device: str | None = None, *, progress: bool
     missing = [n for n in ("table1", "table2", "table5") if n not in tables]
     if missing:
         raise StudyError(f"{study_dir}: no {missing} to time; write the study first")
-    gated = list(tables["table2"].get("cell", ()))
+    gated = list(dict.fromkeys(tables["table2"].get("cell", ())))
     if not gated:
         return replace_decode_speed(study_dir, pd.DataFrame(columns=DECODE_SPEED_COLUMNS))
     cells = load_cells(run_dir, gated, device, expect=cfg)

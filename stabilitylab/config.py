@@ -504,10 +504,45 @@ class StudyConfig:
     timing_repeats: int = 3
     """Timed dense / tau* runs per gated cell, alternating; decode_speed reports the median
     seconds and the min / max."""
+    tau_rule: Literal["relative", "absolute"] = "relative"
+    """How tau* is chosen on validation: the highest-compression tau whose PPL stays within the
+    rule of the model's own tau = 0. relative: Delta ln PPL <= study.max_delta_log_ppl (the
+    default 0.0045 is the paper's 0.1 PPL at its PPL of 22.4, as a ratio); absolute: Delta PPL <
+    study.max_delta_ppl (the paper's literal rule, 0.1)."""
+    max_delta_log_ppl: float = 0.0045
+    """The relative rule's tolerance on ln PPL(tau) - ln PPL(0)."""
+    max_delta_ppl: float = 0.1
+    """The absolute rule's tolerance on PPL(tau) - PPL(0) (strictly below)."""
+    baselines: tuple[Literal["h2o", "keydiff", "h2o-even", "h2o-final", "keydiff-final"], ...] = (
+        "h2o",
+        "keydiff",
+        "h2o-even",
+    )
+    """Baselines run on each gated cell's dense backbone at tau*: h2o / keydiff hold at every
+    decode step no more entries per layer than the gate held then (step-matched); h2o-even holds
+    the gate's total over all layers at each step, spread evenly over the layers; h2o-final /
+    keydiff-final the gate's final live count from the prefill on (the lab's earlier matching)."""
+    test_sweep: bool = True
+    """Also run every tau of the grid on test and report it beside tau* (table sweep_test; it
+    selects nothing)."""
+    baseline_windows: int = 0
+    """Test windows the baselines run on, spread evenly over the split (0 = all the study's test
+    windows); their comparisons with the gate use the same windows."""
+    bootstrap: int = 2000
+    """Resamples of the paired bootstrap behind every interval over windows."""
+    heldout_files: list[str] = field(default_factory=list)
+    """Text files to score the trained cells on besides the test split (all their tokens, GPT-2
+    BPE, tokenised once and cached under data/); tau* stays the one frozen on the training
+    corpus's validation split. The tables mark these rows text=heldout."""
+    heldout_shards: str = ""
+    """A token-shard folder (like data/text, made by experiments/prepare_text.py) whose test split
+    is the held-out text; instead of study.heldout_files."""
 
     def __post_init__(self) -> None:
         check_finite(self, "study.")
         self.probe_ps = tuple(self.probe_ps)  # a list when read back from config.json
+        self.baselines = tuple(self.baselines)
+        self._check_selection()
         for k in ("prefill", "window", "val_windows", "test_windows", "seed"):
             _check(getattr(self, k) >= 0, f"study.{k}", f"must be >= 0, got {getattr(self, k)}")
         _check(self.batch_size > 0, "study.batch_size", f"must be positive, got {self.batch_size}")
@@ -529,6 +564,31 @@ class StudyConfig:
                 f"must be a finite number, got {p!r}",
             )
             _check(0.0 < p < 1.0, "study.probe_ps", f"every fraction must be in (0, 1), got {p}")
+
+    def _check_selection(self) -> None:
+        """The tau rule, the baselines, the intervals and the held-out text."""
+        _check_literals(self, "study.", ("tau_rule",))
+        _check(self.max_delta_log_ppl >= 0, "study.max_delta_log_ppl", "must be >= 0")
+        _check(self.max_delta_ppl > 0, "study.max_delta_ppl", "must be > 0")
+        known = ("h2o", "keydiff", "h2o-even", "h2o-final", "keydiff-final")
+        bad = [b for b in self.baselines if b not in known]
+        _check(not bad, "study.baselines", f"unknown {bad}; choose from {list(known)}")
+        _check(
+            len(set(self.baselines)) == len(self.baselines),
+            "study.baselines",
+            f"repeats a baseline: {list(self.baselines)}",
+        )
+        _check(self.baseline_windows >= 0, "study.baseline_windows", "must be >= 0")
+        _check(
+            self.bootstrap >= 100,
+            "study.bootstrap",
+            f"must be >= 100 resamples for a 95% interval, got {self.bootstrap}",
+        )
+        _check(
+            not (self.heldout_files and self.heldout_shards),
+            "study.heldout_shards",
+            "give study.heldout_files or study.heldout_shards, not both",
+        )
 
     def decode_split(self, context_len: int) -> tuple[int, int]:
         """``(prefill, window)`` at ``context_len`` with the zeros resolved; the pair must fit

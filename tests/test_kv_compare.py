@@ -57,3 +57,28 @@ def test_labels_name_the_runs_and_must_match_the_directories(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(d), str(e), "--labels", "seed0", "--out", str(tmp_path / "p")])
     assert "1 labels for 2 study directories" in capsys.readouterr().err
+
+
+def test_comparisons_over_seeds_get_a_t_interval_and_a_count_of_deciding_seeds(tmp_path):
+    dirs = []
+    for run, diffs in (("s0", (-1.0, 0.2)), ("s1", (-1.2, -0.1)), ("s2", (-0.8, 0.1))):
+        d = _study(tmp_path, run, 50.0, 0.1)
+        pd.DataFrame(
+            {
+                "text": ["test", "test"], "comparison": ["gate vs h2o", "tau0 gap"],
+                "a": ["sig-g-rope (tau*)", "sig-g-rope (tau=0)"], "b": ["h2o on sig-rope", "sig-rope"],
+                "diff": list(diffs), "lo": [diffs[0] - 0.3, diffs[1] - 0.5],
+                "hi": [diffs[0] + 0.3, diffs[1] + 0.5],
+                "verdict": ["a better", "undecided"], "n_windows": [10, 10],
+            }
+        ).to_csv(d / "comparisons.csv", index=False)  # fmt: skip
+        dirs.append(d)
+    md = write_compare(dirs, tmp_path / "out").read_text()
+    seeds = pd.read_csv(tmp_path / "out" / "comparisons_seeds.csv").set_index("comparison")
+    g = seeds.loc["gate vs h2o"]
+    half = 4.303 * 0.2 / math.sqrt(3)  # std of (-1, -1.2, -0.8) is 0.2
+    assert g["mean_diff"] == pytest.approx(-1.0)
+    assert g["lo"] == pytest.approx(-1.0 - half) and g["hi"] == pytest.approx(-1.0 + half)
+    assert g["verdict"] == "a better" and g["a_better_seeds"] == 3 and g["seeds"] == 3
+    assert seeds.loc["tau0 gap", "verdict"] == "undecided"
+    assert "## comparisons over the runs" in md

@@ -29,6 +29,8 @@ import torch
 
 from stabilitylab.config import CELLS, SECTIONS, Config, ConfigError, cell_settings, from_dict
 from stabilitylab.data.text import EvalWindows, TokenSource
+from stabilitylab.data.text.build import shards_for_files
+from stabilitylab.data.text.shards import VOCAB_SIZE, open_shards
 from stabilitylab.eviction.protocol import EvalSet, Split
 from stabilitylab.model import Transformer
 from stabilitylab.train import checkpoint
@@ -285,6 +287,55 @@ class ModelIdWindows(TokenSource):
 
     def sample(self, index: int) -> np.ndarray:
         return self.index_V[self.windows.sample(index)]
+
+
+def _in_model_ids(windows: EvalWindows, tokens: np.ndarray, vocab: dict, what: str):
+    """``windows`` read in a model's ids; a token the model cannot read is refused, naming
+    ``what`` (other data than the cells trained on, or another vocabulary)."""
+    gpt2_ids = vocab.get("model_id_to_gpt2_id")
+    if gpt2_ids is None:
+        if tokens.size and int(tokens.max()) >= VOCAB_SIZE:
+            raise StudyError(
+                f"{what} holds token id {int(tokens.max())} >= {VOCAB_SIZE}: another vocabulary "
+                "than the cells' GPT-2 BPE"
+            )
+        return windows
+    index_V = CompactVocab(np.asarray(gpt2_ids, dtype=np.int64)).index_V
+    known_N = tokens < index_V.shape[0]
+    known_N[known_N] = index_V[tokens[known_N]] >= 0
+    unknown = np.unique(tokens[~known_N])
+    if unknown.size:
+        raise StudyError(
+            f"{what} holds {unknown.size} token id(s) the trained models' compact vocabulary "
+            f"lacks (e.g. {unknown[:5].tolist()}): other data than the cells trained on"
+        )
+    return ModelIdWindows(windows, index_V)
+
+
+def heldout_set(study, context_len: int, vocab: dict) -> tuple[EvalSet | None, str]:
+    """The held-out text of ``study.heldout_files`` (every token of the files) or
+    ``study.heldout_shards`` (that folder's test split) in the cells' ids, tagged test (it is
+    scored at the tau* frozen on validation), and its name; ``(None, "")`` without one."""
+    if study.heldout_files:
+        shards = shards_for_files(study.heldout_files)
+        tokens = np.concatenate([np.asarray(shards.split(s)) for s in ("train", "val", "test")])
+        name = "files " + ", ".join(Path(f).name for f in study.heldout_files)
+    elif study.heldout_shards:
+        shards = open_shards(
+            study.heldout_shards, "give a folder written by experiments/prepare_text.py"
+        )
+        tokenizer = shards.meta.get("tokenizer", {})
+        if tokenizer.get("name", "r50k_base") != "r50k_base":
+            raise StudyError(
+                f"study.heldout_shards {study.heldout_shards}: tokenised with "
+                f"{tokenizer.get('name')!r}, the cells read GPT-2 BPE (r50k_base)"
+            )
+        tokens, name = np.asarray(shards.test), f"shards {study.heldout_shards} (test split)"
+    else:
+        return None, ""
+    windows = EvalWindows(tokens, context_len, name="held-out")
+    what = f"the held-out text ({name})"
+    return EvalSet(Split.TEST, _in_model_ids(windows, tokens, vocab, what)), name
 
 
 def eval_set(shards, split: Split, context_len: int, vocab: dict) -> EvalSet:

@@ -170,7 +170,11 @@ class StepContext:
     kinds_L: list[str]
     sigmoid_b_L: list[torch.Tensor | None]
     policy: CachePolicy
-    keep_BL: torch.Tensor | None
+    keep_BSL: torch.Tensor | None
+    """A budgeted policy's live entries per head after each step: index 0 the prefill, ``1 + w``
+    decode step ``w`` (``keep_schedule_BSL``)."""
+    step: int = 0
+    """Index into ``keep_BSL`` of the step being run."""
 
 
 def block_step(block, layer: int, x_BTC, at: Positions, cache: LayerCache, gate_BT, ctx):
@@ -184,7 +188,7 @@ def block_step(block, layer: int, x_BTC, at: Positions, cache: LayerCache, gate_
         attn, q_BHTD, at.pos_T, cache, ctx.kinds_L[layer], ctx.sigmoid_b_L[layer]
     )
     cache.add_scores(w_BHTN)
-    keep_B = None if ctx.keep_BL is None else ctx.keep_BL[:, layer]
+    keep_B = None if ctx.keep_BSL is None else ctx.keep_BSL[:, ctx.step, layer]
     drop_BHN = ctx.policy.drop_BHN(cache, keep_B)
     if drop_BHN is not None:
         cache.compact(drop_BHN)
@@ -234,14 +238,14 @@ def new_caches(model: Transformer, B: int, policy: CachePolicy) -> list[LayerCac
     ]  # fmt: skip
 
 
-def step_context(model: Transformer, policy: CachePolicy, n_inputs: int, keep_BL) -> StepContext:
-    if policy.needs_budget and keep_BL is None:
+def step_context(model: Transformer, policy: CachePolicy, n_inputs: int, keep_BSL) -> StepContext:
+    if policy.needs_budget and keep_BSL is None:
         raise ValueError(f"policy {policy.name} keeps a budget: pass keep_BL (entries per head)")
     kinds_L = [attention_kind(a.backend_name) for a in model.attention_layers]
     device = next(model.parameters()).device
     n_B = torch.tensor([n_inputs], device=device)
     sigmoid_b_L = [sigmoid_bias_B(n_B, a.sigmoid_bias)[0] for a in model.attention_layers]
-    return StepContext(kinds_L, sigmoid_b_L, policy, keep_BL)
+    return StepContext(kinds_L, sigmoid_b_L, policy, keep_BSL)
 
 
 # ---- the decode call --------------------------------------------------------------------------
@@ -259,10 +263,28 @@ class DecodeOutput:
     """Live entries per sequence and layer after the last step."""
     keys_read_BL: torch.Tensor
     """Entries the decode steps' queries read, summed over steps and heads."""
+    live_BSL: torch.Tensor
+    """Live entries (summed over heads) per sequence and layer after the prefill (index 0) and
+    after each decode step's eviction (index ``1 + w``): what a step-matched baseline may hold."""
     kv_bytes_L: list[int]
     """Bytes of each layer's K and V tensors after the last step, the whole batch."""
     caches: list[LayerCache]
     """The caches after the last step (for inspection; drop the output to free them)."""
+
+
+def keep_schedule_BSL(keep, B: int, n_steps: int, L: int) -> torch.Tensor:
+    """A budget as a per-step schedule: ``keep`` of shape ``(B, L)`` (the same budget from the
+    prefill on) or ``(B, n_steps, L)`` (index 0 after the prefill, ``1 + w`` after decode step
+    ``w``) -> ``(B, n_steps, L)``."""
+    shape = tuple(keep.shape)
+    if shape == (B, L):
+        return keep[:, None, :].expand(B, n_steps, L)
+    if shape != (B, n_steps, L):
+        raise ValueError(
+            f"keep_BL must have shape {(B, L)} (one budget per sequence and layer) or "
+            f"{(B, n_steps, L)} (one per step: the prefill, then each decode step), got {shape}"
+        )
+    return keep
 
 
 def check_decode_args(model: Transformer, tokens_BS, prefill: int, keep_BL) -> None:
@@ -278,13 +300,12 @@ def check_decode_args(model: Transformer, tokens_BS, prefill: int, keep_BL) -> N
         )
     if keep_BL is None:
         return
-    L = model.cfg.n_layers
-    if tuple(keep_BL.shape) != (B, L):
-        raise ValueError(f"keep_BL must have shape {(B, L)}, got {tuple(keep_BL.shape)}")
-    if bool((keep_BL < 0).any()) or bool((keep_BL > S - 1).any()):
-        b, layer = [int(i) for i in ((keep_BL < 0) | (keep_BL > S - 1)).nonzero()[0]]
+    keep_BSL = keep_schedule_BSL(keep_BL, B, S - prefill, model.cfg.n_layers)
+    bad = (keep_BSL < 0) | (keep_BSL > S - 1)
+    if bool(bad.any()):
+        b, step, layer = [int(i) for i in bad.nonzero()[0]]
         raise ValueError(
-            f"baseline budget of {int(keep_BL[b, layer])} entries per head (sequence {b}, "
+            f"baseline budget of {int(keep_BSL[b, step, layer])} entries per head (sequence {b}, "
             f"layer {layer}) "
             f"is outside [0, {S - 1}], the sequence's {S - 1} input tokens"
         )
@@ -299,27 +320,38 @@ def decode_nll(
 ) -> DecodeOutput:
     """Prefill ``tokens_BS[:, :prefill]``, then decode tokens ``prefill .. S - 2`` one at a time
     (teacher forcing), scoring tokens ``prefill + 1 .. S - 1``. ``keep_BL``: a budgeted
-    policy's live entries per head for each sequence and layer."""
+    policy's live entries per head for each sequence and layer, ``(B, L)`` from the prefill on or
+    ``(B, W + 1, L)`` per step (``keep_schedule_BSL``)."""
     check_decoder(model)
     check_decode_args(model, tokens_BS, prefill, keep_BL)
     B, S = tokens_BS.shape
     device = next(model.parameters()).device
     tokens_BS = tokens_BS.to(device)
-    keep_BL = None if keep_BL is None else keep_BL.to(device=device, dtype=torch.long)
-    ctx = step_context(model, policy, S - 1, keep_BL)
+    keep_BSL = None
+    if keep_BL is not None:
+        keep = keep_BL.to(device=device, dtype=torch.long)
+        keep_BSL = keep_schedule_BSL(keep, B, S - prefill, model.cfg.n_layers)
+    ctx = step_context(model, policy, S - 1, keep_BSL)
     with inference(model):
         caches = new_caches(model, B, policy)
         model_step(model, caches, tokens_BS[:, :prefill], 0, ctx)
-        nll, keys_read_BL = [], 0
+        nll, keys_read_BL, live = [], 0, [_live_BL(caches)]
         for t in range(prefill, S - 1):
+            ctx.step = t - prefill + 1
             x_B1C, read_BL = model_step(model, caches, tokens_BS[:, t : t + 1], t, ctx)
             nll.append(token_nll_B(model, x_B1C, tokens_BS[:, t + 1]))
             keys_read_BL = keys_read_BL + read_BL
+            live.append(_live_BL(caches))
     return DecodeOutput(
         nll_BW=torch.stack(nll, dim=1),
         written_per_layer=model.cfg.n_heads * (S - 1),
-        live_BL=torch.stack([c.live_count_BH().sum(-1) for c in caches], dim=1),
+        live_BL=live[-1],
         keys_read_BL=keys_read_BL,
+        live_BSL=torch.stack(live, dim=1),
         kv_bytes_L=[c.kv_bytes() for c in caches],
         caches=caches,
     )
+
+
+def _live_BL(caches: list[LayerCache]) -> torch.Tensor:
+    return torch.stack([c.live_count_BH().sum(-1) for c in caches], dim=1)

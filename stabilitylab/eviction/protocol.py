@@ -15,26 +15,46 @@ and in total over **all** layers (layer 0, which no gate precedes, counts in the
 paper's "deletes 19.8% of KV entries" is of the whole cache). ``compression_evictable`` counts
 layers ``1 .. L-1`` only.
 
-Selection (the paper's rule): sweep ``TAU_GRID`` (15 points, below) on the validation split;
-``tau*`` = the highest-compression tau whose PPL is less than 0.1 above the same model's tau = 0
-(ties: the smaller tau). The guard against selecting on test is structural: ``sweep_tau`` runs
+Selection: sweep ``TAU_GRID`` (15 points, below) on the validation split; ``tau*`` = the
+highest-compression tau the rule (``TauRule``) accepts against the same model's tau = 0 (ties: the
+smaller tau). The default rule is relative: ``ln PPL(tau) - ln PPL(0) <= 0.0045``, the paper's
+absolute ``PPL(tau) - PPL(0) < 0.1`` at its PPL of 22 carried to any PPL (``TauRule.paper()``
+keeps the absolute form). The guard against selecting on test is structural: ``sweep_tau`` runs
 on a ``Split.VAL`` set only, a ``Selection`` derives tau* itself from a validation ``Sweep``,
 a gate threshold other than 0 runs on ``Split.TEST`` only through ``evaluate_selected``, which
-takes a ``Selection`` (no tau argument) made from the same model. A test run in another process
-than the sweep's (the parallel study times decode speed after its children wrote the tables)
-takes a ``RecordedSelection``: the rule applied again to the validation rows the sweep left in a
-table, bound to the swept model by its fingerprint.
+takes a ``Selection`` (no tau argument) made from the same model, or through ``test_sweep``,
+which reports every grid point on test but only once a ``Selection`` has frozen tau*. A test run
+in another process than the sweep's (the parallel study times decode speed after its children
+wrote the tables) takes a ``RecordedSelection``: the rule applied again to the validation rows
+the sweep left in a table, bound to the swept model by its fingerprint.
 
 Baselines: H2O and KeyDiff run on a dense backbone through the same decode loop, with a budget
-matched per window and per layer to the gated model's final live cache at tau*: the gate keeps
-``n_l`` tokens in all ``H`` heads of layer ``l`` (``H n_l`` entries); the baseline keeps ``n_l``
-entries in every head (per-head eviction, the same total ``H n_l``). Layer 0 is matched too, so it
-is not evicted either. A baseline with the full budget (``P + W`` per head) evicts nothing and
-reproduces the dense PPL.
+matched per window and per layer to the gated model's live cache at tau*: the gate keeps ``n_l``
+tokens in all ``H`` heads of layer ``l`` (``H n_l`` entries); the baseline keeps ``n_l`` entries in
+every head (per-head eviction, the same total ``H n_l``). ``Budget.mode``:
+
+- ``step`` (default): after the prefill and after every decode step the baseline holds at most
+  what the gate held then, so it never holds or reads more than the gate at any step (it reads
+  exactly as many keys: ``keys_read``);
+- ``final``: the gate's *final* count from the prefill on (the lab's earlier rule; during the
+  decode the baseline then holds ``min(P + w, n)`` while the gate grows to ``n``);
+- ``even``: the gate's total over all layers at each step, spread evenly over the layers (H2O at
+  the same total budget without the gate's per-layer allocation).
+
+Layer 0 is matched too (the gate never evicts it). A baseline with the full budget (``P + W`` per
+head) evicts nothing and reproduces the dense PPL.
+
+Per window: every ``EvalResult`` keeps each window's NLL sum (``nll_N``), so any PPL or PPL
+difference gets a paired bootstrap interval over windows (``stabilitylab.analysis.intervals``).
+
+Speed: ``NoEviction`` and ``GateThreshold`` run through the masked one-pass evaluation
+(``masked.py``, equal to the loop up to rounding; ``fast=False`` takes the loop), the budgeted
+baselines through the loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import math
@@ -45,6 +65,7 @@ import torch
 
 from stabilitylab.data.text.windows import EvalWindows, TokenSource
 from stabilitylab.eviction.decode import check_decoder, decode_nll
+from stabilitylab.eviction.masked import masked_decode_nll, supports
 from stabilitylab.eviction.policies import CachePolicy, GateThreshold
 from stabilitylab.model import Transformer
 
@@ -52,6 +73,10 @@ TAU_GRID = (0.0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 
 """The validation grid: dense near 0 where the paper's picks lie (0.01 softmax, 0.05 sigmoid),
 then steps of 0.05-0.1 up to 0.8."""
 MAX_DELTA_PPL = 0.1
+"""The paper's absolute rule: Delta PPL < 0.1 at its PPL of ~22."""
+MAX_DELTA_LOG_PPL = 0.0045
+"""The default relative rule: Delta ln PPL <= 0.0045 (0.1 / 22.4, the paper's rule as a ratio)."""
+BUDGET_MODES = ("step", "final", "even")
 
 
 class Split(enum.Enum):
@@ -134,7 +159,8 @@ class EvalResult:
     decode: DecodeSplit
     n_heads: int
     window_indices: tuple[int, ...]
-    nll_sum: float
+    nll_N: np.ndarray
+    """Each window's summed ``-log p`` over its ``decode.window`` scored tokens (float64)."""
     n_targets: int
     written_per_layer: int
     """Entries each window wrote into each layer's cache: ``n_heads * (P + W)``."""
@@ -145,10 +171,24 @@ class EvalResult:
     allocated_kv_bytes_L: np.ndarray
     """K/V tensor bytes per layer after the last step, summed over the batches (includes the
     padding slots of a batch whose rows kept different counts; equals the live bytes at B = 1)."""
+    live_NSL: np.ndarray | None = None
+    """Live entries per window, step (0: after the prefill, ``1 + w``: after decode step ``w``)
+    and layer, when asked for (``record_steps``): what a step-matched baseline may hold."""
+    budget: str = ""
+    """A baseline's budget (``Budget.label``: its mode and source); "" for unbudgeted policies."""
+
+    @property
+    def nll_sum(self) -> float:
+        return float(self.nll_N.sum())
 
     @property
     def ppl(self) -> float:
         return math.exp(self.nll_sum / self.n_targets)
+
+    @property
+    def keys_read(self) -> int:
+        """Entries the decode steps read, summed over windows, layers, steps and heads."""
+        return int(self.keys_read_NL.sum())
 
     @property
     def evicted_NL(self) -> np.ndarray:
@@ -177,42 +217,75 @@ class EvalResult:
         out = {
             "split": self.split.value,
             "policy": self.policy,
+            "budget": self.budget,
             "ppl": self.ppl,
             "compression": self.compression,
             "compression_evictable": self.compression_evictable,
             "n_windows": len(self.window_indices),
             "n_targets": self.n_targets,
             "live_kv_bytes_per_window": float(self.live_kv_bytes_L.sum()),
+            "keys_read": self.keys_read,
         }
         out.update({f"compression_L{i}": float(c) for i, c in enumerate(self.compression_L)})
         return out
 
 
-def _evaluate(model, evalset, policy, decode, keep_NL, indices, batch_size, progress):
-    fingerprint = model_fingerprint(model)
-    nll_sum, n_targets, live, read, alloc = 0.0, 0, [], [], 0
-    batches = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
-    if progress:
-        from tqdm.auto import tqdm
+@dataclass(frozen=True)
+class LoopOptions:
+    """How an evaluation runs (not what it measures)."""
 
-        batches = tqdm(batches, desc=f"{policy.name} {evalset.split.value}", leave=False)
+    batch_size: int = 16
+    progress: bool = False
+    fast: bool = True
+    """NoEviction / GateThreshold through the masked one-pass evaluation (``masked.py``)."""
+    record_steps: bool = False
+    """Keep the per-step live counts (``EvalResult.live_NSL``; a step-matched budget needs them)."""
+
+    @classmethod
+    def of(cls, kwargs: dict) -> LoopOptions:
+        unknown = set(kwargs) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown arguments {sorted(unknown)}")
+        return cls(**kwargs)
+
+
+def _decode(model, tokens_BS, decode, policy, keep_BSL, fast):
+    if fast and keep_BSL is None and supports(policy):
+        return masked_decode_nll(model, tokens_BS, decode.prefill, policy)
+    return decode_nll(model, tokens_BS, decode.prefill, policy, keep_BSL)
+
+
+def _batches(indices, opts: LoopOptions, label: str):
+    batches = [indices[i : i + opts.batch_size] for i in range(0, len(indices), opts.batch_size)]
+    if not opts.progress:
+        return batches
+    from tqdm.auto import tqdm
+
+    return tqdm(batches, desc=label, leave=False)
+
+
+def _evaluate(model, evalset, policy, decode, keep_NSL, indices, opts: LoopOptions, budget=""):
+    fingerprint = model_fingerprint(model)
+    nll, live, read, steps, alloc = [], [], [], [], 0
     start = 0
-    for idx in batches:
-        keep_BL = None if keep_NL is None else torch.from_numpy(keep_NL[start : start + len(idx)])
-        out = decode_nll(model, evalset.tokens_BS(idx, decode), decode.prefill, policy, keep_BL)
+    for idx in _batches(indices, opts, f"{policy.name} {evalset.split.value}"):
+        keep = None if keep_NSL is None else torch.from_numpy(keep_NSL[start : start + len(idx)])
+        out = _decode(model, evalset.tokens_BS(idx, decode), decode, policy, keep, opts.fast)
         start += len(idx)
-        nll_sum += float(out.nll_BW.sum())
-        n_targets += out.nll_BW.numel()
+        nll.append(out.nll_BW.sum(1).double().cpu().numpy())
         live.append(out.live_BL.cpu().numpy())
         read.append(out.keys_read_BL.cpu().numpy())
+        if opts.record_steps:
+            steps.append(out.live_BSL.to(torch.int32).cpu().numpy())
         alloc = alloc + np.asarray(out.kv_bytes_L)
     p = next(model.parameters())
     return EvalResult(
         split=evalset.split, policy=policy.name, fingerprint=fingerprint, decode=decode,
-        n_heads=model.cfg.n_heads, window_indices=tuple(indices), nll_sum=nll_sum,
-        n_targets=n_targets, written_per_layer=out.written_per_layer,
+        n_heads=model.cfg.n_heads, window_indices=tuple(indices), nll_N=np.concatenate(nll),
+        n_targets=len(indices) * decode.window, written_per_layer=out.written_per_layer,
         live_NL=np.concatenate(live), keys_read_NL=np.concatenate(read),
         bytes_per_entry=2 * model.cfg.head_dim * p.element_size(), allocated_kv_bytes_L=alloc,
+        live_NSL=np.concatenate(steps) if steps else None, budget=budget,
     )  # fmt: skip
 
 
@@ -234,10 +307,11 @@ def evaluate(
     *,
     batch_size: int = 16,
     max_windows: int | None = None,
-    progress: bool = False,
+    **options,
 ) -> EvalResult:
     """Decode-window PPL and compression of ``model`` under ``policy`` (no budget). A gate
-    threshold above 0 on the test split runs only through ``evaluate_selected``."""
+    threshold above 0 on the test split runs only through ``evaluate_selected``. ``options``:
+    ``LoopOptions`` (progress, fast, record_steps)."""
     check_decoder(model)
     if evalset.split is Split.TEST and isinstance(policy, GateThreshold) and policy.tau != 0:
         raise ValueError(
@@ -248,7 +322,8 @@ def evaluate(
         raise ValueError(f"{policy.name} needs a budget: use evaluate_baseline")
     decode = decode or DecodeSplit.for_context(evalset.windows.context_len)
     indices = _window_indices(evalset, decode, max_windows)
-    return _evaluate(model, evalset, policy, decode, None, indices, batch_size, progress)
+    opts = LoopOptions.of({"batch_size": batch_size, **options})
+    return _evaluate(model, evalset, policy, decode, None, indices, opts)
 
 
 # ---- the tau sweep and its selection ----------------------------------------------------------
@@ -265,15 +340,62 @@ def check_grid(grid) -> tuple[float, ...]:
     return tuple(sorted(taus))
 
 
+@dataclass(frozen=True)
+class TauRule:
+    """Which taus count as "no loss" against the model's own tau = 0.
+
+    ``relative`` (default): ``ln PPL(tau) - ln PPL(0) <= max_delta`` with ``max_delta`` =
+    ``MAX_DELTA_LOG_PPL`` (0.0045, the paper's 0.1 at its PPL of 22.4). ``absolute`` (the paper's
+    literal rule): ``PPL(tau) - PPL(0) < max_delta`` with ``max_delta`` = 0.1. A NaN PPL is never
+    accepted."""
+
+    kind: str = "relative"
+    max_delta: float = MAX_DELTA_LOG_PPL
+
+    def __post_init__(self):
+        if self.kind not in ("relative", "absolute"):
+            raise ValueError(f"tau rule kind must be relative or absolute, got {self.kind!r}")
+        if not (isinstance(self.max_delta, (int, float)) and math.isfinite(self.max_delta)):
+            raise ValueError(f"tau rule max_delta must be a finite number, got {self.max_delta!r}")
+        if self.max_delta < 0:
+            raise ValueError(f"tau rule max_delta must be >= 0, got {self.max_delta}")
+
+    @classmethod
+    def paper(cls) -> TauRule:
+        return cls("absolute", MAX_DELTA_PPL)
+
+    def accepts(self, ppl: float, ref: float) -> bool:
+        if self.kind == "absolute":
+            return ppl - ref < self.max_delta
+        if not (ppl > 0 and ref > 0):
+            return False
+        return math.log(ppl) - math.log(ref) <= self.max_delta
+
+    def describe(self) -> str:
+        if self.kind == "absolute":
+            return f"Delta PPL < {self.max_delta:g}"
+        return f"Delta ln PPL <= {self.max_delta:g}"
+
+
 def select_tau_index(
-    taus: list[float], ppl: list[float], compression: list[float], max_delta: float = MAX_DELTA_PPL
+    taus: list[float],
+    ppl: list[float],
+    compression: list[float],
+    max_delta: float = MAX_DELTA_PPL,
+    *,
+    rule: TauRule | None = None,
 ) -> int:
-    """The paper's rule: among taus with ``ppl - ppl(tau = 0) < max_delta``, the index of the one
-    with the highest compression (ties: the smaller tau). Pure; ``taus`` must contain 0."""
+    """Among the taus the rule accepts, the index of the one with the highest compression (ties:
+    the smaller tau). ``rule`` None: the paper's absolute rule ``ppl - ppl(tau = 0) <
+    max_delta``. Pure; ``taus`` must contain 0. When even tau = 0 is not accepted (its PPL is
+    NaN), tau = 0's index."""
     if 0.0 not in taus:
         raise ValueError("select_tau_index needs tau = 0 among the taus")
-    ref = ppl[taus.index(0.0)]
-    ok = [i for i in range(len(taus)) if ppl[i] - ref < max_delta]
+    rule = rule if rule is not None else TauRule("absolute", max_delta)
+    i0 = taus.index(0.0)
+    ok = [i for i in range(len(taus)) if rule.accepts(ppl[i], ppl[i0])]
+    if not ok:
+        return i0
     return max(ok, key=lambda i: (compression[i], -taus[i]))
 
 
@@ -315,7 +437,7 @@ class Selection:
     """tau* of one model, derived from its validation sweep (the constructor applies the rule)."""
 
     sweep: Sweep
-    max_delta: float = MAX_DELTA_PPL
+    rule: TauRule = TauRule()
     tau: float = field(init=False)
 
     def __post_init__(self):
@@ -328,7 +450,7 @@ class Selection:
             list(taus),
             [r.ppl for r in self.sweep.results],
             [r.compression for r in self.sweep.results],
-            self.max_delta,
+            rule=self.rule,
         )
         object.__setattr__(self, "tau", taus[i])
 
@@ -358,7 +480,7 @@ class RecordedSelection:
     taus: tuple[float, ...]
     ppl: tuple[float, ...]
     compression: tuple[float, ...]
-    max_delta: float = MAX_DELTA_PPL
+    rule: TauRule = TauRule()
     tau: float = field(init=False)
 
     def __post_init__(self):
@@ -370,18 +492,15 @@ class RecordedSelection:
                 f"the recorded sweep has {len(self.taus)} taus, {len(self.ppl)} PPLs and "
                 f"{len(self.compression)} compressions"
             )
-        i = select_tau_index(list(taus), list(self.ppl), list(self.compression), self.max_delta)
+        i = select_tau_index(list(taus), list(self.ppl), list(self.compression), rule=self.rule)
         object.__setattr__(self, "tau", taus[i])
 
 
-def select_tau(sweep: Sweep, max_delta: float = MAX_DELTA_PPL) -> Selection:
-    return Selection(sweep, max_delta)
+def select_tau(sweep: Sweep, rule: TauRule | None = None) -> Selection:
+    return Selection(sweep, rule if rule is not None else TauRule())
 
 
-def evaluate_selected(
-    model: Transformer, test_set: EvalSet, selection: Selection | RecordedSelection, **kwargs
-) -> EvalResult:
-    """The gated model on test at its frozen tau*, with the validation sweep's decode split."""
+def _check_selection(model, test_set, selection) -> None:
     if not isinstance(selection, (Selection, RecordedSelection)):
         raise ValueError(
             "evaluate_selected needs a Selection from select_tau (or a RecordedSelection of a "
@@ -391,17 +510,37 @@ def evaluate_selected(
         raise ValueError(f"evaluate_selected runs on the test split, got {test_set.split.value}")
     if model_fingerprint(model) != selection.fingerprint:
         raise ValueError("this tau* was selected on another model (fingerprints differ)")
+
+
+def evaluate_selected(
+    model: Transformer, test_set: EvalSet, selection: Selection | RecordedSelection, **kwargs
+) -> EvalResult:
+    """The gated model on test at its frozen tau*, with the validation sweep's decode split.
+    ``kwargs``: max_windows and ``LoopOptions`` (batch_size, progress, fast, record_steps)."""
+    _check_selection(model, test_set, selection)
     decode = selection.decode
     indices = _window_indices(test_set, decode, kwargs.pop("max_windows", None))
     policy = GateThreshold(selection.tau)
-    return _evaluate(model, test_set, policy, decode, None, indices, **_loop_kwargs(kwargs))
+    return _evaluate(model, test_set, policy, decode, None, indices, LoopOptions.of(kwargs))
 
 
-def _loop_kwargs(kwargs: dict) -> dict:
-    unknown = set(kwargs) - {"batch_size", "progress"}
-    if unknown:
-        raise TypeError(f"unknown arguments {sorted(unknown)}")
-    return {"batch_size": kwargs.get("batch_size", 16), "progress": kwargs.get("progress", False)}
+def test_sweep(
+    model: Transformer, test_set: EvalSet, selection: Selection | RecordedSelection, **kwargs
+) -> Sweep:
+    """Every grid point of the validation sweep on test, *reported* beside the frozen tau*
+    (the test curve of Figure 1): it runs only once a selection exists and selects nothing."""
+    _check_selection(model, test_set, selection)
+    taus = selection.sweep.taus if isinstance(selection, Selection) else selection.taus
+    decode = selection.decode
+    indices = _window_indices(test_set, decode, kwargs.pop("max_windows", None))
+    opts = LoopOptions.of(kwargs)
+    results = tuple(
+        _evaluate(model, test_set, GateThreshold(t), decode, None, indices, opts) for t in taus
+    )
+    return Sweep(Split.TEST, results[0].fingerprint, tuple(taus), results)
+
+
+test_sweep.__test__ = False  # a protocol step, not a pytest test
 
 
 # ---- baselines at a matched budget ------------------------------------------------------------
@@ -409,31 +548,66 @@ def _loop_kwargs(kwargs: dict) -> dict:
 
 @dataclass(frozen=True)
 class Budget:
-    """Live entries (over all heads) per window and layer to match, from a gated model's run."""
+    """Live entries (summed over heads) a baseline may hold, per window and layer, from a gated
+    model's run: ``live_NSL`` per step (0: after the prefill, ``1 + w``: after decode step ``w``)
+    for ``mode`` step and even, ``live_NL`` (final) for mode final (module docstring)."""
 
     split: Split
     decode: DecodeSplit
     window_indices: tuple[int, ...]
     live_NL: np.ndarray
     source: str
+    mode: str = "final"
+    live_NSL: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.mode not in BUDGET_MODES:
+            raise ValueError(f"budget mode must be one of {BUDGET_MODES}, got {self.mode!r}")
+        if self.mode != "final" and self.live_NSL is None:
+            raise ValueError(f"a {self.mode} budget needs the gate's per-step live counts")
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode}-matched to {self.source}"
+
+    def keep_per_head(self, n_heads: int) -> np.ndarray:
+        """Entries each head keeps: ``(N, L)`` (mode final) or ``(N, S, L)``, rounded down."""
+        if self.mode == "final":
+            return (self.live_NL // n_heads).astype(np.int64)
+        live_NSL = self.live_NSL.astype(np.int64)
+        if self.mode == "even":
+            L = live_NSL.shape[2]
+            live_NSL = np.repeat(live_NSL.sum(2, keepdims=True) // L, L, axis=2)
+        return live_NSL // n_heads
 
     def keep_per_head_NL(self, n_heads: int) -> np.ndarray:
-        """Entries each head keeps: the matched total over ``n_heads`` (rounded down)."""
-        return (self.live_NL // n_heads).astype(np.int64)
+        """The largest per-head budget of each window and layer over the steps."""
+        keep = self.keep_per_head(n_heads)
+        return keep if keep.ndim == 2 else keep.max(1)
 
 
-def matched_budget(gate_result: EvalResult) -> Budget:
-    """The final live cache of ``gate_result`` as a budget for the baselines."""
+def matched_budget(gate_result: EvalResult, mode: str = "step") -> Budget:
+    """``gate_result``'s live cache as a budget for the baselines (``Budget.mode``); a step or
+    even budget needs a gate run with ``record_steps=True``."""
+    if mode != "final" and gate_result.live_NSL is None:
+        raise ValueError(
+            f"a {mode}-matched budget needs the gate's per-step live counts: evaluate the gate "
+            "with record_steps=True"
+        )
     return Budget(
         split=gate_result.split,
         decode=gate_result.decode,
         window_indices=gate_result.window_indices,
         live_NL=gate_result.live_NL.copy(),
         source=gate_result.policy,
+        mode=mode,
+        live_NSL=None if mode == "final" else gate_result.live_NSL,
     )
 
 
 def check_budget(model: Transformer, evalset: EvalSet, budget: Budget) -> np.ndarray:
+    """The per-head budget the loop takes (``Budget.keep_per_head``), refusing a budget of
+    another split, layer count or a size beyond the sequence, naming the window and layer."""
     if budget.split is not evalset.split:
         raise ValueError(
             f"budget from the {budget.split.value} split used on {evalset.split.value} windows"
@@ -441,7 +615,8 @@ def check_budget(model: Transformer, evalset: EvalSet, budget: Budget) -> np.nda
     L = model.cfg.n_layers
     if budget.live_NL.shape[1] != L:
         raise ValueError(f"budget has {budget.live_NL.shape[1]} layers, the model has {L}")
-    keep_NL = budget.keep_per_head_NL(model.cfg.n_heads)
+    keep = budget.keep_per_head(model.cfg.n_heads)
+    keep_NL = keep if keep.ndim == 2 else keep.max(1)
     if keep_NL.max() > budget.decode.n_inputs:
         n, layer = np.argwhere(keep_NL > budget.decode.n_inputs)[0]
         raise ValueError(
@@ -449,24 +624,23 @@ def check_budget(model: Transformer, evalset: EvalSet, budget: Budget) -> np.nda
             f"{budget.window_indices[n]}, layer {layer}) exceeds the sequence's "
             f"{budget.decode.n_inputs} tokens"
         )
-    return keep_NL
+    return keep
 
 
 def evaluate_baseline(
     dense_model: Transformer, evalset: EvalSet, policy: CachePolicy, budget: Budget, **kwargs
 ) -> EvalResult:
     """A budgeted policy (H2O, KeyDiff) on the budget's windows, each window at its own
-    per-layer budget. ``kwargs``: batch_size, progress."""
+    per-layer (and, for step / even budgets, per-step) budget. ``kwargs``: ``LoopOptions``."""
     check_decoder(dense_model)
     if not policy.needs_budget:
         raise ValueError(f"{policy.name} keeps no budget: use evaluate")
-    keep_NL = check_budget(dense_model, evalset, budget)
+    keep = check_budget(dense_model, evalset, budget)
     indices = list(budget.window_indices)
-    if indices != evalset.indices(budget.decode)[: len(indices)]:
+    if not set(indices) <= set(evalset.indices(budget.decode)):
         raise ValueError("the budget's windows are not this evaluation set's windows")
-    return _evaluate(
-        dense_model, evalset, policy, budget.decode, keep_NL, indices, **_loop_kwargs(kwargs)
-    )
+    opts = LoopOptions.of(kwargs)
+    return _evaluate(dense_model, evalset, policy, budget.decode, keep, indices, opts, budget.label)
 
 
 def full_budget(evalset: EvalSet, n_layers: int, n_heads: int, decode: DecodeSplit, **kw) -> Budget:

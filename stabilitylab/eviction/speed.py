@@ -33,6 +33,7 @@ from stabilitylab.eviction.protocol import (
     EvalResult,
     RecordedSelection,
     Selection,
+    TauRule,
     evaluate,
     evaluate_selected,
     model_fingerprint,
@@ -160,14 +161,19 @@ def recorded_selections(
             "fingerprint was recorded); rerun the study"
         )
     out = {}
+    if "text" in table2.columns:
+        table2 = table2[table2["text"] == "test"]
     for _, row in table2.iterrows():
         cell = row["cell"]
+        rule = TauRule.paper()  # studies written before the rule was recorded used the paper's
+        if "tau_rule" in table2.columns:
+            rule = TauRule(str(row["tau_rule"]), float(row["tau_rule_max_delta"]))
         sweep = table5[table5["cell"] == cell].sort_values("tau")
         if sweep.empty:
             raise StudyError(f"{source}: table5 has no validation sweep of {cell}")
         sel = RecordedSelection(
             str(row["fingerprint"]), decode, tuple(sweep["tau"].astype(float)),
-            tuple(sweep["ppl"].astype(float)), tuple(sweep["compression"].astype(float)),
+            tuple(sweep["ppl"].astype(float)), tuple(sweep["compression"].astype(float)), rule,
         )  # fmt: skip
         if sel.tau != float(row["tau_star"]):
             raise StudyError(
