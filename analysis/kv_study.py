@@ -71,11 +71,14 @@ CAPTIONS = {
     "alone, `compound`: removal at every layer in a second forward pass (the paper's; Figure 2).",
     "support_removal_summary": "Support removal, mean over layers per cell and p (the paper, "
     "softmax / sigmoid: 0.574 / 0.579, 0.943 / 1.051, 1.131 / 3.666 at p = 0.1, 0.3, 0.5).",
-    "rowsum_binarization": "Row-sum coefficient of variation across query positions per layer "
-    "(0 for softmax by construction) and, for gated cells, gate binarization (fraction of gates "
-    "< 0.05 or > 0.95) per gate layer (Figure 3).",
-    "rowsum_binarization_summary": "Row-sum CV and binarization, mean over layers per cell (the "
-    "paper: row-sum CV 0.484 / 0.444; binarization 43.3% / 36.8% / 24.4%).",
+    "rowsum_binarization": "Row-sum coefficient of variation across query positions per layer: "
+    "`row_sum_cv_norm` of r_i / n_i (mean weight per visible key; the row length under "
+    "b = -log L does not inflate it), `row_sum_cv_raw` of r_i itself (equal logits alone give "
+    "0.576 at L = 512); 0 for softmax in both. For gated cells, gate binarization (fraction of "
+    "gates < 0.05 or > 0.95) per gate layer (Figure 3).",
+    "rowsum_binarization_summary": "Row-sum CVs (normalised, raw) and binarization, mean over "
+    "layers per cell (the paper: row-sum CV 0.484 / 0.444, raw r_i, bias not stated; "
+    "binarization 43.3% / 36.8% / 24.4%).",
 }
 
 

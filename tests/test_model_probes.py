@@ -190,8 +190,41 @@ def test_row_sum_cv_is_zero_for_softmax_and_positive_for_sigmoid(seed, gates):
     soft = row_sum_cv_by_layer(tiny_model(seed, "softmax", gates), tokens_BT, lengths_B)
     sig = row_sum_cv_by_layer(tiny_model(seed, "sigmoid-reference", gates), tokens_BT, lengths_B)
     assert list(soft["layer"]) == [0, 1] and (soft["n"] == len(LENGTHS) * 2).all()
-    assert (soft["row_sum_cv"].abs() < 1e-12).all()
-    assert (sig["row_sum_cv"] > 0.01).all()
+    for stat in ("row_sum_cv_norm", "row_sum_cv_raw"):
+        assert (soft[stat].abs() < 1e-12).all(), stat
+        assert (sig[stat] > 0.01).all(), stat
+
+
+def test_row_sum_cvs_of_a_model_that_attends_uniformly():
+    """q = 0 in every layer (the q third of qkv zeroed; QK-RMSNorm keeps 0 at 0): every logit is
+    0, the model's causal rows under b = -log L sum to (i + 1) / (L + 1). The raw CV is the
+    row-length confound sqrt((L - 1) / (3 (L + 1))), averaged over the windows; normalised, 0."""
+    model = tiny_model(1, "sigmoid-reference", gates=False)
+    with torch.no_grad():
+        for attn in model.attention_layers:
+            C = attn.qkv.in_features
+            attn.qkv.weight[:C].zero_()
+            attn.qkv.bias[:C].zero_()
+    tokens_BT, lengths_B = windows(1)
+    table = row_sum_cv_by_layer(model, tokens_BT, lengths_B)
+    raw = np.mean([np.sqrt((L - 1) / (3 * (L + 1))) for L in LENGTHS])
+    assert table["row_sum_cv_raw"].tolist() == pytest.approx([raw, raw], rel=1e-9)
+    assert (table["row_sum_cv_norm"].abs() < 1e-12).all()
+
+
+def test_the_row_sum_summary_keeps_nan(seed, monkeypatch):
+    """A layer whose rows all have zero mass has CV 0/0 = NaN: the mean over layers keeps it."""
+    import stabilitylab.probes.model_probes as mp
+
+    model = tiny_model(seed, "sigmoid-reference", gates=False)
+    tokens_BT, lengths_B = windows(seed)
+    table = row_sum_cv_by_layer(model, tokens_BT, lengths_B)
+    table.loc[1, "row_sum_cv_norm"] = np.nan
+    monkeypatch.setattr(mp, "row_sum_cv_by_layer", lambda *args: table)
+    summary = mp.rowsum_binarization_tables({"sig": model}, tokens_BT, lengths_B)
+    row = summary["rowsum_binarization_summary"].iloc[0]
+    assert np.isnan(row["row_sum_cv_norm"])
+    assert row["row_sum_cv_raw"] == pytest.approx(table["row_sum_cv_raw"].mean())
 
 
 @pytest.mark.parametrize("per_head", [False, True])
