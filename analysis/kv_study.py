@@ -279,14 +279,15 @@ def replace_decode_speed(study_dir: str | Path, speed: pd.DataFrame, note: str =
 
 
 def probe_study_tables(cfg, cells: dict, run_dir: Path) -> dict[str, pd.DataFrame]:
-    """The diagnostics on the first ``study.probe_windows`` test windows: support removal (both
-    protocols), row-sum CV and binarization per layer, gates per token category."""
+    """The diagnostics on ``study.probe_windows`` test windows drawn across the split with
+    ``study.seed`` (``probe_text.spread_indices``): support removal (both protocols), row-sum
+    CVs and binarization per layer, gates per token category."""
     from stabilitylab.probes.model_probes import probe_tables
     from stabilitylab.probes.probe_text import cell_windows, gpt2_pieces_fn
 
     first = next(iter(cells.values()))
     tokens_BT, lengths_B, vocab = cell_windows(
-        run_dir, list(cells), first.config.data, "test", cfg.study.probe_windows
+        run_dir, list(cells), first.config.data, "test", cfg.study.probe_windows, cfg.study.seed
     )
     models = {name: c.model for name, c in cells.items()}
     return probe_tables(
@@ -319,7 +320,8 @@ def study_report(cfg, device: str | None = None, *, grid=None, progress: bool = 
         f"Run `{run_dir}` (preset {cfg.preset}), cells {', '.join(cells)}; decode window: prefill "
         f"{d.prefill} + {d.window} scored tokens; {len(inputs.val.indices(d, inputs.val_windows))} "
         f"validation and {len(inputs.test.indices(d, inputs.test_windows))} test windows; "
-        f"diagnostics on {cfg.study.probe_windows} test windows; device {device}; tau grid "
+        f"diagnostics on {cfg.study.probe_windows} test windows spread across the split (seed "
+        f"{cfg.study.seed}; all if fewer); device {device}; tau grid "
         f"{list(inputs.grid)}."
     )
     return write_study(tables, Path(cfg.study.out_dir or run_dir / "study"), header)
