@@ -265,8 +265,9 @@ def kv_reduced() -> Config:
     cells through sigmoid-triton (sigmoid_backend=auto). Validation every 100 steps on the whole
     val split (~100K tokens). A stopped job resumes from the 400-step checkpoints; finished cells
     are skipped. The study: the tau sweep on the first 16 validation windows (4,096 scored tokens),
-    test on 32, diagnostics on 8; the eager decode loop takes ~2-5 s per evaluation of 16-32
-    windows on the H200, so the four gated sweeps and tests take ~1-2 min per cell pair.
+    test on 32, diagnostics on 50 drawn across the test split; the eager decode loop takes ~2-5 s
+    per evaluation of 16-32 windows on the H200, so the four gated sweeps and tests take ~1-2 min
+    per cell pair.
     Measured (docs/RESULTS.md, section 6): 8 cells as 4 processes of 2 on one H200
     (--study.parallel=True), each cell
     306-348 s of training (~11.5 min for all 8), 14.6-14.8 GiB peak per process.
@@ -289,7 +290,7 @@ def kv_reduced() -> Config:
             log_every=10, layer_every=50, logit_every=50, probe_every=200, val_every=100
         ),
         # 64 x 257 = 16K validation and 128 x 257 = 33K test tokens scored by the decode.
-        study=StudyConfig(val_windows=16, test_windows=32, batch_size=64, probe_windows=8),
+        study=StudyConfig(val_windows=16, test_windows=32, batch_size=64, probe_windows=50),
     )
 
 
