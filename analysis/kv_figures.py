@@ -4,7 +4,8 @@
   output under random support removal, one panel per removal fraction p (a row per protocol
   when the table holds both);
 - ``figure_rowsum_binarization``: the paper's Figure 3, gate binarization per gate layer of the
-  gated cells (left) and the row-sum CV per layer of every cell (right);
+  gated cells (left) and the row-sum CV per layer of every cell, length-normalised (middle, the
+  headline) and raw (right; ``probes/rowsum.py`` says which is which);
 - ``figure_gate_categories``: the paper's Table 4 as bars, mean gate per token category and
   gated cell.
 
@@ -91,13 +92,13 @@ def figure_perturbation(support_removal_df: pd.DataFrame, path: str | Path) -> P
 
 
 def figure_rowsum_binarization(rowsum_binarization_df: pd.DataFrame, path: str | Path) -> Path:
-    """Figure 3: binarization per gate layer (gated cells) and row-sum CV per layer (all)."""
+    """Figure 3: binarization per gate layer (gated cells) and the two row-sum CVs per layer
+    (all cells): ``row_sum_cv_norm`` (CV of r_i / n_i under sigmoid) and ``row_sum_cv_raw``."""
     df = rowsum_binarization_df
-    _require(
-        df, ["cell", "kind", "layer", "row_sum_cv", "binarization"], "figure_rowsum_binarization"
-    )
+    columns = ["cell", "kind", "layer", "row_sum_cv_norm", "row_sum_cv_raw", "binarization"]
+    _require(df, columns, "figure_rowsum_binarization")
     styles = cell_styles(df)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10.5, 3.8))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15.0, 3.8))
     gated = df[np.isfinite(df["binarization"].astype(float))]
     if gated.empty:
         left.text(0.5, 0.5, "no gated cell", ha="center", va="center", transform=left.transAxes)
@@ -105,8 +106,12 @@ def figure_rowsum_binarization(rowsum_binarization_df: pd.DataFrame, path: str |
         _lines(left, gated, "binarization", styles)
         left.set_ylim(-0.02, 1.02)
     left.set(title="gate binarization (g < 0.05 or g > 0.95)", xlabel="layer emitting the gate")
-    _lines(right, df, "row_sum_cv", styles)
-    right.set(title="row-sum CV across queries", xlabel="layer", ylabel="std(r_i) / mean(r_i)")
+    _lines(middle, df, "row_sum_cv_norm", styles)
+    middle.set(title="row-sum CV, length-normalised (row_sum_cv_norm)", xlabel="layer",
+               ylabel="CV_i of r_i / n_i (sigmoid), r_i (softmax)")  # fmt: skip
+    _lines(right, df, "row_sum_cv_raw", styles)
+    right.set(title="row-sum CV, raw (row_sum_cv_raw)", xlabel="layer",
+              ylabel="std(r_i) / mean(r_i)")  # fmt: skip
     right.legend(fontsize=7)
     fig.suptitle("what lets soft gates approximate hard deletion")
     return _save(fig, path)

@@ -81,11 +81,14 @@ CAPTIONS = {
     "alone, `compound`: removal at every layer in a second forward pass (the paper's; Figure 2).",
     "support_removal_summary": "Support removal, mean over layers per cell and p (the paper, "
     "softmax / sigmoid: 0.574 / 0.579, 0.943 / 1.051, 1.131 / 3.666 at p = 0.1, 0.3, 0.5).",
-    "rowsum_binarization": "Row-sum coefficient of variation across query positions per layer "
-    "(0 for softmax by construction) and, for gated cells, gate binarization (fraction of gates "
-    "< 0.05 or > 0.95) per gate layer (Figure 3).",
-    "rowsum_binarization_summary": "Row-sum CV and binarization, mean over layers per cell (the "
-    "paper: row-sum CV 0.484 / 0.444; binarization 43.3% / 36.8% / 24.4%).",
+    "rowsum_binarization": "Row-sum coefficient of variation across query positions per layer: "
+    "`row_sum_cv_norm` of r_i / n_i (mean weight per visible key; the row length under "
+    "b = -log L does not inflate it), `row_sum_cv_raw` of r_i itself (equal logits alone give "
+    "0.576 at L = 512); 0 for softmax in both. For gated cells, gate binarization (fraction of "
+    "gates < 0.05 or > 0.95) per gate layer (Figure 3).",
+    "rowsum_binarization_summary": "Row-sum CVs (normalised, raw) and binarization, mean over "
+    "layers per cell (the paper: row-sum CV 0.484 / 0.444, raw r_i, bias not stated; "
+    "binarization 43.3% / 36.8% / 24.4%).",
 }
 
 
@@ -395,14 +398,15 @@ def replace_decode_speed(study_dir: str | Path, speed: pd.DataFrame, note: str =
 
 
 def probe_study_tables(cfg, cells: dict, run_dir: Path) -> dict[str, pd.DataFrame]:
-    """The diagnostics on the first ``study.probe_windows`` test windows: support removal (both
-    protocols), row-sum CV and binarization per layer, gates per token category."""
+    """The diagnostics on ``study.probe_windows`` test windows drawn across the split with
+    ``study.seed`` (``probe_text.spread_indices``): support removal (both protocols), row-sum
+    CVs and binarization per layer, gates per token category."""
     from stabilitylab.probes.model_probes import probe_tables
     from stabilitylab.probes.probe_text import cell_windows, gpt2_pieces_fn
 
     first = next(iter(cells.values()))
     tokens_BT, lengths_B, vocab = cell_windows(
-        run_dir, list(cells), first.config.data, "test", cfg.study.probe_windows
+        run_dir, list(cells), first.config.data, "test", cfg.study.probe_windows, cfg.study.seed
     )
     models = {name: c.model for name, c in cells.items()}
     return probe_tables(
@@ -435,7 +439,8 @@ def study_report(cfg, device: str | None = None, *, grid=None, progress: bool = 
         f"Run `{run_dir}` (preset {cfg.preset}), cells {', '.join(cells)}; decode window: prefill "
         f"{d.prefill} + {d.window} scored tokens; {len(inputs.val.indices(d, inputs.val_windows))} "
         f"validation and {len(inputs.test.indices(d, inputs.test_windows))} test windows; "
-        f"diagnostics on {cfg.study.probe_windows} test windows; device {device}; tau grid "
+        f"diagnostics on {cfg.study.probe_windows} test windows spread across the split (seed "
+        f"{cfg.study.seed}; all if fewer); device {device}; tau grid "
         f"{list(inputs.grid)}; tau* rule {inputs.rule.describe()} on validation; baselines "
         f"{', '.join(inputs.baselines) or 'none'}"
         + (f" on {inputs.baseline_windows} test windows" if inputs.baseline_windows else "")

@@ -8,7 +8,8 @@
 - ``masked_attention``: a tiny n x n softmax/sigmoid attention with explicit weights, padding,
   causal mask, per-key bias and removed keys; the eviction probes compute on it.
 - ``support_removal``: random K/V removal (first four positions kept) and the relative change
-  of a layer's attention output; ``rowsum``: the row-sum coefficient of variation.
+  of a layer's attention output; ``rowsum``: the row-sum coefficient of variation, raw and
+  length-normalised.
 - ``gates``: per-layer gate mean and binarization, for the trainer's log and the study;
   ``token_categories``: GPT-2 pieces in six categories, mean gate per category, extreme tokens.
 - ``model_capture``: what each attention layer of a ``Transformer`` sees (its backend swapped
@@ -44,7 +45,13 @@ from stabilitylab.probes.model_probes import (
     support_removal_by_layer,
     support_removal_tables,
 )
-from stabilitylab.probes.rowsum import row_sum_cv_BH, row_sum_cv_from_qk_BH, row_sum_cv_table
+from stabilitylab.probes.rowsum import (
+    row_mass_BT,
+    row_sum_cv_BH,
+    row_sum_cv_table,
+    row_sum_cvs_BH,
+    row_sum_cvs_from_qk_BH,
+)
 from stabilitylab.probes.support_removal import (
     layer_average_by_p,
     mean_over_sequences,
@@ -93,9 +100,11 @@ __all__ = [
     "pooled_gate_stats",
     "relative_perturbation_B",
     "removal_count",
+    "row_mass_BT",
     "row_sum_cv_BH",
-    "row_sum_cv_from_qk_BH",
     "row_sum_cv_table",
+    "row_sum_cvs_BH",
+    "row_sum_cvs_from_qk_BH",
     "sample_removal_mask_BT",
     "support_removal_perturbation_B",
     "support_removal_table",

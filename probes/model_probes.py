@@ -19,11 +19,15 @@ every layer on the probe maths without removal (so p = 0 gives exactly 0); then
 
 Layer 0 sees no upstream perturbation, so there the two protocols agree exactly.
 
-Row-sum CV (``row_sum_cv_by_layer``): from the backends' own inputs, weights in float64, the gate's
-key bias included; softmax gives 0 up to float64 rounding. Gates (``gate_binarization_by_layer``,
-``gates_by_token_category``, ``extreme_gate_tokens``): ``layer`` is the block that emits the gate
-(``model.gates[layer]``, read by ``layer + 1``), the model's and the trainer's numbering. Per-head
-gates count each (token, head) for binarization and are averaged over heads for the categories.
+Row-sum CV (``row_sum_cv_by_layer``): from the backends' own inputs, weights in float64, the
+gate's key bias included, both statistics of ``probes/rowsum.py``: ``row_sum_cv_norm`` (the
+headline: row sums over the row's mass at equal logits, i.e. the mean weight per visible key under
+sigmoid) and ``row_sum_cv_raw`` (the paper's as written, which the row length alone pushes
+towards 0.577 under ``b = -log L``); softmax gives 0 in both up to float64 rounding. Gates
+(``gate_binarization_by_layer``, ``gates_by_token_category``, ``extreme_gate_tokens``): ``layer``
+is the block that emits the gate (``model.gates[layer]``, read by ``layer + 1``), the model's and
+the trainer's numbering. Per-head gates count each (token, head) for binarization and are
+averaged over heads for the categories.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from stabilitylab.probes.model_capture import (
     layer_weights_BHTT,
     swapped_attention,
 )
-from stabilitylab.probes.rowsum import row_sum_cv_BH, row_sum_cv_table
+from stabilitylab.probes.rowsum import row_sum_cv_table, row_sum_cvs_BH
 from stabilitylab.probes.support_removal import (
     N_SINKS,
     relative_perturbation_B,
@@ -198,15 +202,20 @@ def support_removal_by_layer(
 def row_sum_cv_by_layer(
     model, tokens_BT: torch.Tensor, lengths_B: torch.Tensor, batch_size: int | None = None
 ) -> pd.DataFrame:
-    """Tidy table ``layer, row_sum_cv, std, n``: the mean over (sequence, head) of the CV of the
-    row sums across query positions (``probes/rowsum.py``), float64 weights."""
+    """Tidy table ``layer, row_sum_cv_norm, row_sum_cv_norm_std, row_sum_cv_raw,
+    row_sum_cv_raw_std, n``: the mean (and spread) over (sequence, head) of the CV of the row
+    sums across query positions, length-normalised and raw (``probes/rowsum.py``), float64
+    weights; ``n`` counts the (sequence, head) pairs."""
     check_windows(model, tokens_BT, lengths_B)
-    cvs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(model.attention_layers))}
+    layers = range(len(model.attention_layers))
+    cvs: dict[str, dict[int, list[torch.Tensor]]] = {}
     for s in _chunks(tokens_BT.shape[0], batch_size):
         _, records = captured_attention(model, tokens_BT[s], lengths_B[s])
         for r in records:
             a_BHTT = layer_weights_BHTT(r, torch.float64)
-            cvs[r.layer].append(row_sum_cv_BH(a_BHTT, r.lengths_B).cpu())
+            both = row_sum_cvs_BH(a_BHTT, r.lengths_B, kind=r.kind, causal=r.causal)
+            for stat, cv_BH in both.items():
+                cvs.setdefault(stat, {i: [] for i in layers})[r.layer].append(cv_BH.cpu())
     return row_sum_cv_table(cvs)
 
 
@@ -359,14 +368,18 @@ def support_removal_tables(
 
 
 def _rowsum_binarization(model, tokens_BT, lengths_B, batch_size) -> pd.DataFrame:
-    """One row per layer: row-sum CV and, for a gated model, its gate layer's binarization."""
+    """One row per layer: row-sum CVs and, for a gated model, its gate layer's binarization."""
     rows = row_sum_cv_by_layer(model, tokens_BT, lengths_B, batch_size)
-    rows = rows.rename(columns={"std": "row_sum_cv_std", "n": "n_sequence_heads"})
+    rows = rows.rename(columns={"n": "n_sequence_heads"})
     gate_cols = list(GATE_COLUMNS.values())
     if not model.cfg.gates:
         return rows.assign(**{c: np.nan for c in gate_cols})
     gates = gate_binarization_by_layer(model, tokens_BT, lengths_B, batch_size)
     return rows.merge(gates[["layer", *gate_cols]], on="layer", how="left")
+
+
+def _mean_keeping_nan(values: pd.Series) -> float:
+    return values.mean(skipna=False)
 
 
 def rowsum_binarization_tables(
@@ -375,11 +388,15 @@ def rowsum_binarization_tables(
     lengths_B: torch.Tensor,
     batch_size: int | None = None,
 ) -> dict[str, pd.DataFrame]:
-    """``rowsum_binarization`` (``cell, kind, gated, layer, row_sum_cv, row_sum_cv_std,
-    n_sequence_heads, gate_mean, frac_below_0.05, frac_above_0.95, binarization``; the gate
-    columns are NaN for a dense cell and for the last layer, which emits no gate) and
-    ``rowsum_binarization_summary`` (per cell, means over layers: the paper's row-sum CV 0.484
-    and aggregate binarization 24.4%, every gate layer counting the same positions)."""
+    """``rowsum_binarization`` (``cell, kind, gated, layer, row_sum_cv_norm,
+    row_sum_cv_norm_std, row_sum_cv_raw, row_sum_cv_raw_std, n_sequence_heads, gate_mean,
+    frac_below_0.05, frac_above_0.95, binarization``; the gate columns are NaN for a dense cell
+    and for the last layer, which emits no gate) and ``rowsum_binarization_summary`` (per cell,
+    means over layers: the paper's row-sum CV 0.484 and aggregate binarization 24.4%, every gate
+    layer counting the same positions). The paper's CV is ``row_sum_cv_raw`` as written; set
+    beside it ``row_sum_cv_norm``, which row length does not inflate (``probes/rowsum.py``).
+    The row-sum means keep NaN (a layer with a 0/0 CV); the gate means skip the NaN of the
+    layer that emits no gate."""
     _check_models(models, tokens_BT, lengths_B)
     frames = [
         _with_cell(
@@ -392,7 +409,8 @@ def rowsum_binarization_tables(
     ]
     table = pd.concat(frames, ignore_index=True)
     summary = table.groupby(["cell", "kind", "gated"], as_index=False, sort=False).agg(
-        row_sum_cv=("row_sum_cv", "mean"),
+        row_sum_cv_norm=("row_sum_cv_norm", _mean_keeping_nan),
+        row_sum_cv_raw=("row_sum_cv_raw", _mean_keeping_nan),
         gate_mean=("gate_mean", "mean"),
         binarization=("binarization", "mean"),
     )

@@ -1,5 +1,12 @@
 """The text the model probes read: evaluation windows in a run's own ids, and their GPT-2 pieces.
 
+Which windows: ``spread_indices`` draws ``n`` of a split's full evaluation windows (stride
+``context_len``, ``context_len + 1`` tokens; a shorter last window is left out unless it is the
+only one) evenly across the split, one per stratum of ``N / n`` windows at an offset seeded by
+``seed`` (the study's ``study.seed``), so a split of several texts is read in all of them rather
+than in its first. The same (split, n, seed) always gives the same windows; ``n`` at or above
+the split's count gives all of them.
+
 A text run's ``vocab.json`` says how its token ids read: GPT-2 ids as they are, or, with
 ``data.vocab=compact``, ``model_id_to_gpt2_id`` (model id ``i`` is GPT-2 id ``ids[i]``; see
 ``stabilitylab.train.task.CompactVocab``). ``probe_windows`` maps the split's GPT-2 ids to the
@@ -60,12 +67,47 @@ def gpt2_to_model_ids(tokens: torch.Tensor, vocab: Mapping | None) -> torch.Tens
     return mapped
 
 
+def spread_indices(n_available: int, n: int | None, seed: int) -> list[int]:
+    """``n`` distinct indices of ``range(N)``, ``N = n_available``, spread evenly, in order::
+
+        index_k = floor((k * N + o) / n),   k = 0 .. n - 1,   o uniform in [0, N) from ``seed``
+
+    A systematic sample: pick k lies in ``[floor(k N / n), (k + 1) N / n)``, the k-th of n strata
+    of ``N / n >= 1`` indices, at the same relative offset ``o / N`` in each; consecutive picks
+    differ by ``floor(N / n)`` or one more, so they are distinct, and the first lies in the
+    first stratum, the last in the last. Integer arithmetic: the largest pick is ``N - 1`` at
+    most. ``n`` None or ``>= N``: every index."""
+    if n_available < 1:
+        raise ValueError(f"n_available must be >= 1, got {n_available}")
+    if n is not None and n < 1:
+        raise ValueError(f"n must be >= 1 or None, got {n}")
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    if n is None or n >= n_available:
+        return list(range(n_available))
+    o = int(np.random.default_rng(seed).integers(0, n_available))
+    return [(k * n_available + o) // n for k in range(n)]
+
+
+def full_window_count(windows: EvalWindows) -> int:
+    """The windows holding ``context_len + 1`` tokens (all but a shorter last one); the one
+    window when the split is shorter than that."""
+    n = len(windows)
+    short_last = len(windows.sample(n - 1)) < windows.context_len + 1
+    return n - 1 if short_last and n > 1 else n
+
+
+def probe_window_indices(windows: EvalWindows, n_windows: int | None, seed: int = 0) -> list[int]:
+    """``spread_indices`` over the full windows of ``windows`` (module doc)."""
+    return spread_indices(full_window_count(windows), n_windows, seed)
+
+
 def probe_windows(
-    data_cfg, vocab: Mapping | None, split: str = "test", n_windows: int | None = 50
+    data_cfg, vocab: Mapping | None, split: str = "test", n_windows: int | None = 50, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``n_windows`` (None: all) evaluation windows of ``split`` (``EvalWindows``:
-    stride ``context_len``, the last one may be shorter) as ``(tokens_BT, lengths_B)`` in the
-    model's ids. ``data_cfg`` is a run's ``DataConfig`` (what it trained on)."""
+    """``n_windows`` (None: all) full evaluation windows of ``split`` drawn across it with
+    ``seed`` (module doc; ``EvalWindows``: stride ``context_len``) as ``(tokens_BT, lengths_B)``
+    in the model's ids. ``data_cfg`` is a run's ``DataConfig`` (what it trained on)."""
     from stabilitylab.train.task import open_text  # the data stack, only when windows are read
 
     if n_windows is not None and n_windows < 1:
@@ -73,8 +115,7 @@ def probe_windows(
     shards = open_text(data_cfg)
     T = data_cfg.context_len
     windows = EvalWindows(shards.split(split), T, name=f"{split} ({shards.path})")
-    n = len(windows) if n_windows is None else min(n_windows, len(windows))
-    batch = make_lm_batch(windows, range(n), T)
+    batch = make_lm_batch(windows, probe_window_indices(windows, n_windows, seed), T)
     return gpt2_to_model_ids(batch.tokens_BT, vocab), batch.lengths_B
 
 
@@ -98,13 +139,14 @@ def cell_windows(
     data_cfg,
     split: str = "test",
     n_windows: int | None = 50,
+    seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``probe_windows`` for the cells ``<run_dir>/<cell>/`` of one study: ``(tokens_BT,
     lengths_B, vocab)``, refusing cells whose vocab.json differ (their ids would not agree)."""
     if not cells:
         raise ValueError(f"{run_dir}: no cells to read windows for")
     vocab = shared_vocab({c: read_vocab(Path(run_dir) / c) for c in cells}, str(run_dir))
-    tokens_BT, lengths_B = probe_windows(data_cfg, vocab, split, n_windows)
+    tokens_BT, lengths_B = probe_windows(data_cfg, vocab, split, n_windows, seed)
     return tokens_BT, lengths_B, vocab
 
 

@@ -485,7 +485,8 @@ class StudyConfig:
     batch_size: int = 64
     """Windows decoded together (they move in lock step; memory grows with it)."""
     probe_windows: int = 50
-    """Test windows the diagnostics (support removal, row-sum CV, gates) read."""
+    """Test windows the diagnostics (support removal, row-sum CV, gates) read, drawn evenly
+    across the split's full windows at an offset seeded by study.seed (all when it has fewer)."""
     probe_ps: tuple[float, ...] = (0.1, 0.3, 0.5)
     """Fractions of K/V positions the random support removal takes out (each in (0, 1))."""
     seed: int = 0

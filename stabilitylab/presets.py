@@ -266,7 +266,7 @@ def kv_reduced() -> Config:
     val split (~100K tokens). A stopped job resumes from the 400-step checkpoints; finished cells
     are skipped. The study: the tau sweep on the whole validation split, tau* by the relative rule,
     test on the whole test split with bootstrap intervals over its windows, the baselines matched
-    to the gate step by step (StudyConfig), diagnostics on probe windows across the test split.
+    to the gate step by step (StudyConfig), diagnostics on 50 windows drawn across the test split.
     Measured (docs/RESULTS.md, section 6): 8 cells as 4 processes of 2 on one H200
     (--study.parallel=True), each cell
     306-348 s of training (~11.5 min for all 8), 14.6-14.8 GiB peak per process.
@@ -291,7 +291,7 @@ def kv_reduced() -> Config:
         # The whole val and test splits (~196 and ~1,956 windows of 256 scored tokens): the tau
         # sweep and every dense / tau* evaluation through the masked one-pass evaluation, the
         # baselines through the decode loop, 256 windows at a time.
-        study=StudyConfig(batch_size=256, probe_windows=8),
+        study=StudyConfig(batch_size=256, probe_windows=50),
     )
 
 

@@ -19,7 +19,13 @@ from stabilitylab.probes.gates import (
     pooled_gate_stats,
 )
 from stabilitylab.probes.masked_attention import attention_weights_BHTT, masked_attention_BHTD
-from stabilitylab.probes.rowsum import row_sum_cv_BH, row_sum_cv_from_qk_BH, row_sum_cv_table
+from stabilitylab.probes.rowsum import (
+    row_mass_BT,
+    row_sum_cv_BH,
+    row_sum_cv_table,
+    row_sum_cvs_BH,
+    row_sum_cvs_from_qk_BH,
+)
 from stabilitylab.probes.support_removal import (
     layer_average_by_p,
     mean_over_sequences,
@@ -236,12 +242,70 @@ def test_row_sum_cv_softmax_is_zero_sigmoid_is_not(gen, causal, with_bias):
     q, k, _, lengths, key_bias = random_inputs(gen, B=4, T=32, lengths=(32, 17, 9, 2))
     key_bias = key_bias if with_bias else None
     kw = dict(causal=causal, key_bias_BT=key_bias)
-    cv_soft = row_sum_cv_from_qk_BH(q, k, lengths, kind="softmax", **kw)
-    cv_sig = row_sum_cv_from_qk_BH(q, k, lengths, kind="sigmoid", **kw)
-    assert cv_soft.shape == cv_sig.shape == (4, 2)
-    assert cv_soft.abs().max() < 1e-12
-    # Any one (sequence, head) could come out near 0 by chance; their mean cannot.
-    assert (cv_sig > 0).all() and cv_sig.mean() > 0.01
+    soft = row_sum_cvs_from_qk_BH(q, k, lengths, kind="softmax", **kw)
+    sig = row_sum_cvs_from_qk_BH(q, k, lengths, kind="sigmoid", **kw)
+    assert list(soft) == list(sig) == ["norm", "raw"]
+    for stat in ("norm", "raw"):
+        assert soft[stat].shape == sig[stat].shape == (4, 2)
+        assert soft[stat].abs().max() < 1e-12, stat
+        # Any one (sequence, head) could come out near 0 by chance; their mean cannot.
+        assert (sig[stat] > 0).all() and sig[stat].mean() > 0.01, stat
+    if not causal:  # every valid row sees all L keys: dividing by L changes no CV
+        torch.testing.assert_close(sig["norm"], sig["raw"])
+
+
+def test_uniform_sigmoid_attention_under_b_minus_log_L():
+    """Equal logits (q = 0), b = -log L: a_ij = 1 / (L + 1), so r_i = (i + 1) / (L + 1). The raw
+    CV is that of 1 .. L: sqrt((L^2 - 1) / 12) / ((L + 1) / 2) = sqrt((L - 1) / (3 (L + 1)));
+    the row-length confound alone. The mean weight per visible key is the same on every row."""
+    lengths = torch.tensor([512, 100])
+    q = torch.zeros(2, 1, 512, 4, dtype=F64)
+    cvs = row_sum_cvs_from_qk_BH(q, torch.ones_like(q), lengths, kind="sigmoid", causal=True)
+    expected = [math.sqrt(511 / (3 * 513)), math.sqrt(99 / (3 * 101))]
+    assert expected[0] == pytest.approx(0.57622, abs=1e-5)
+    torch.testing.assert_close(cvs["raw"][:, 0], torch.tensor(expected, dtype=F64))
+    assert cvs["norm"].abs().max() < 1e-12
+
+
+def causal_hand_weights() -> torch.Tensor:
+    """Two sequences, causal weights (T = 4): lengths 4 and 2; 50.0 marks padding."""
+    a = torch.zeros(2, 1, 4, 4, dtype=F64)
+    a[0, 0, 0, :1] = torch.tensor([0.5])  # r = 0.5, per key 0.5
+    a[0, 0, 1, :2] = torch.tensor([0.2, 0.6])  # r = 0.8, per key 0.4
+    a[0, 0, 2, :3] = torch.tensor([0.3, 0.3, 0.3])  # r = 0.9, per key 0.3
+    a[0, 0, 3, :4] = torch.tensor([0.1, 0.1, 0.1, 0.5])  # r = 0.8, per key 0.2
+    a[1, 0, 0, :1] = torch.tensor([0.2])  # r = 0.2, per key 0.2
+    a[1, 0, 1, :2] = torch.tensor([0.3, 0.3])  # r = 0.6, per key 0.3
+    a[1, 0, 2, :3] = 50.0  # a padded row: left out
+    return a
+
+
+def test_row_sum_cvs_match_hand_computation():
+    cvs = row_sum_cvs_BH(causal_hand_weights(), torch.tensor([4, 2]), kind="sigmoid", causal=True)
+    # raw: sums 0.5 0.8 0.9 0.8 (mean 0.75, deviations -.25 .05 .15 .05: var 0.0225) -> 0.2;
+    #      sums 0.2 0.6 (mean 0.4, std 0.2) -> 0.5.
+    # norm: per key 0.5 0.4 0.3 0.2 (mean 0.35, var 0.0125) -> sqrt(0.0125) / 0.35;
+    #       per key 0.2 0.3 (mean 0.25, std 0.05) -> 0.2.
+    torch.testing.assert_close(cvs["raw"][:, 0], torch.tensor([0.2, 0.5], dtype=F64))
+    norm = [math.sqrt(0.0125) / 0.35, 0.2]
+    torch.testing.assert_close(cvs["norm"][:, 0], torch.tensor(norm, dtype=F64))
+    assert norm[0] == pytest.approx(0.319438, abs=1e-6)
+    # Softmax's row mass does not depend on the row's length: its divisor is 1, norm = raw.
+    soft = row_sum_cvs_BH(causal_hand_weights(), torch.tensor([4, 2]), kind="softmax", causal=True)
+    torch.testing.assert_close(soft["norm"], soft["raw"])
+    torch.testing.assert_close(soft["raw"], cvs["raw"])
+
+
+def test_row_mass_counts_the_visible_keys():
+    lengths = torch.tensor([3, 1])
+    causal = row_mass_BT(lengths, 4, kind="sigmoid", causal=True)
+    assert causal.tolist() == [[1, 2, 3, 1], [1, 1, 1, 1]]  # padded rows: 1
+    assert row_mass_BT(lengths, 4, kind="sigmoid", causal=False).tolist() == [
+        [3, 3, 3, 1], [1, 1, 1, 1]
+    ]  # fmt: skip
+    assert (row_mass_BT(lengths, 4, kind="softmax", causal=True) == 1).all()
+    with pytest.raises(ValueError, match="'tanh'"):
+        row_mass_BT(lengths, 4, kind="tanh", causal=True)
 
 
 def test_row_sum_cv_matches_hand_computation():
@@ -255,10 +319,23 @@ def test_row_sum_cv_matches_hand_computation():
 
 
 def test_row_sum_cv_table():
-    table = row_sum_cv_table({1: torch.tensor([[0.2, 0.4]]), 0: [torch.zeros(2, 2)]})
+    table = row_sum_cv_table(
+        {
+            "raw": {1: torch.tensor([[0.2, 0.4]]), 0: [torch.zeros(2, 2)]},
+            "norm": {1: torch.tensor([[0.1, float("nan")]]), 0: [torch.ones(2, 2)]},
+        }
+    )
+    assert list(table.columns) == [
+        "layer", "row_sum_cv_norm", "row_sum_cv_norm_std", "row_sum_cv_raw", "row_sum_cv_raw_std",
+        "n",
+    ]  # fmt: skip
     assert table.layer.tolist() == [0, 1]
-    assert table.row_sum_cv.tolist() == pytest.approx([0.0, 0.3])
+    assert table.row_sum_cv_raw.tolist() == pytest.approx([0.0, 0.3])
+    assert table.row_sum_cv_raw_std.tolist() == pytest.approx([0.0, 0.1])
+    assert table.row_sum_cv_norm[0] == 1.0 and np.isnan(table.row_sum_cv_norm[1])  # NaN kept
     assert table.n.tolist() == [4, 2]
+    with pytest.raises(ValueError, match="different"):
+        row_sum_cv_table({"raw": {0: torch.zeros(2)}, "norm": {0: torch.zeros(3)}})
 
 
 # ---- gates -------------------------------------------------------------------------------

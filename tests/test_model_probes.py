@@ -33,7 +33,14 @@ from stabilitylab.probes.model_probes import (
     row_sum_cv_by_layer,
     support_removal_by_layer,
 )
-from stabilitylab.probes.probe_text import gpt2_pieces_fn, gpt2_to_model_ids
+from stabilitylab.probes.probe_text import (
+    full_window_count,
+    gpt2_pieces_fn,
+    gpt2_to_model_ids,
+    probe_window_indices,
+    probe_windows,
+    spread_indices,
+)
 from stabilitylab.probes.support_removal import N_SINKS, removal_count
 from stabilitylab.probes.token_categories import CATEGORIES, token_category
 
@@ -190,8 +197,41 @@ def test_row_sum_cv_is_zero_for_softmax_and_positive_for_sigmoid(seed, gates):
     soft = row_sum_cv_by_layer(tiny_model(seed, "softmax", gates), tokens_BT, lengths_B)
     sig = row_sum_cv_by_layer(tiny_model(seed, "sigmoid-reference", gates), tokens_BT, lengths_B)
     assert list(soft["layer"]) == [0, 1] and (soft["n"] == len(LENGTHS) * 2).all()
-    assert (soft["row_sum_cv"].abs() < 1e-12).all()
-    assert (sig["row_sum_cv"] > 0.01).all()
+    for stat in ("row_sum_cv_norm", "row_sum_cv_raw"):
+        assert (soft[stat].abs() < 1e-12).all(), stat
+        assert (sig[stat] > 0.01).all(), stat
+
+
+def test_row_sum_cvs_of_a_model_that_attends_uniformly():
+    """q = 0 in every layer (the q third of qkv zeroed; QK-RMSNorm keeps 0 at 0): every logit is
+    0, the model's causal rows under b = -log L sum to (i + 1) / (L + 1). The raw CV is the
+    row-length confound sqrt((L - 1) / (3 (L + 1))), averaged over the windows; normalised, 0."""
+    model = tiny_model(1, "sigmoid-reference", gates=False)
+    with torch.no_grad():
+        for attn in model.attention_layers:
+            C = attn.qkv.in_features
+            attn.qkv.weight[:C].zero_()
+            attn.qkv.bias[:C].zero_()
+    tokens_BT, lengths_B = windows(1)
+    table = row_sum_cv_by_layer(model, tokens_BT, lengths_B)
+    raw = np.mean([np.sqrt((L - 1) / (3 * (L + 1))) for L in LENGTHS])
+    assert table["row_sum_cv_raw"].tolist() == pytest.approx([raw, raw], rel=1e-9)
+    assert (table["row_sum_cv_norm"].abs() < 1e-12).all()
+
+
+def test_the_row_sum_summary_keeps_nan(seed, monkeypatch):
+    """A layer whose rows all have zero mass has CV 0/0 = NaN: the mean over layers keeps it."""
+    import stabilitylab.probes.model_probes as mp
+
+    model = tiny_model(seed, "sigmoid-reference", gates=False)
+    tokens_BT, lengths_B = windows(seed)
+    table = row_sum_cv_by_layer(model, tokens_BT, lengths_B)
+    table.loc[1, "row_sum_cv_norm"] = np.nan
+    monkeypatch.setattr(mp, "row_sum_cv_by_layer", lambda *args: table)
+    summary = mp.rowsum_binarization_tables({"sig": model}, tokens_BT, lengths_B)
+    row = summary["rowsum_binarization_summary"].iloc[0]
+    assert np.isnan(row["row_sum_cv_norm"])
+    assert row["row_sum_cv_raw"] == pytest.approx(table["row_sum_cv_raw"].mean())
 
 
 @pytest.mark.parametrize("per_head", [False, True])
@@ -270,6 +310,55 @@ def test_pieces_map_a_compact_vocabulary_back_to_gpt2_ids():
     assert gpt2_to_model_ids(tokens, vocab).tolist() == [[3, 1, 4]]
     with pytest.raises(ValueError, match=r"\[995\]"):
         gpt2_to_model_ids(torch.tensor([[262, 995]]), vocab)
+
+
+# ---- which windows ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("N, n", [(1000, 50), (203, 50), (51, 50), (8, 4)])
+def test_probe_windows_are_spread_across_the_split(seed, N, n):
+    picks = spread_indices(N, n, seed % 1000)
+    assert len(picks) == n and len(set(picks)) == n and picks == sorted(picks)
+    assert 0 <= picks[0] < N / 4 and 3 * N / 4 <= picks[-1] < N  # first and last quarter
+    for k, i in enumerate(picks):  # one pick in each of the n strata of N / n windows
+        assert k * N // n <= i < (k + 1) * N / n
+    assert spread_indices(N, n, seed % 1000) == picks  # deterministic for a seed
+    offsets = {tuple(spread_indices(N, n, s)) for s in range(20)}
+    assert len(offsets) > 1  # the seed moves the offset
+
+
+def test_probe_windows_clamp_to_the_split_and_refuse_bad_counts():
+    assert spread_indices(30, 50, 3) == list(range(30))
+    assert spread_indices(30, 30, 3) == list(range(30))
+    assert spread_indices(30, None, 3) == list(range(30))
+    for bad in ({"n_available": 0, "n": 1}, {"n_available": 5, "n": 0}):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            spread_indices(**bad, seed=0)
+
+
+def test_only_full_windows_are_drawn():
+    from stabilitylab.data.text import EvalWindows
+
+    ragged = EvalWindows(np.arange(1000), 8)  # 124 windows of 9 tokens, then one of 8
+    assert len(ragged) == 125 and full_window_count(ragged) == 124
+    assert probe_window_indices(ragged, None) == list(range(124))
+    assert max(probe_window_indices(ragged, 50, seed=7)) < 124
+    assert full_window_count(EvalWindows(np.arange(81), 8)) == 10  # the last one is full
+    assert full_window_count(EvalWindows(np.arange(5), 8)) == 1  # one short window: kept
+
+
+def test_probe_windows_read_the_drawn_windows_of_the_sample():
+    from stabilitylab.data.text import EvalWindows, open_sample
+
+    data = kv_tiny().data  # the shipped sample's test split: 3 full windows of 64, one short
+    test = EvalWindows(open_sample().split("test"), data.context_len)
+    tokens_BT, lengths_B = probe_windows(data, None, "test", 2, seed=1)
+    picks = probe_window_indices(test, 2, seed=1)
+    assert lengths_B.tolist() == [64, 64]
+    for row, k in zip(tokens_BT, picks, strict=True):
+        assert row.tolist() == test.sample(k)[:-1].tolist()
+    every_BT, every_B = probe_windows(data, None, "test", None)
+    assert every_B.tolist() == [64, 64, 64]
 
 
 # ---- the study's tables and figures -----------------------------------------------------------

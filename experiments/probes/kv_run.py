@@ -23,8 +23,13 @@ def parser(doc: str, windows: int | None = None, cells_help: str = "every traine
     p.add_argument("--split", default="test", choices=["val", "test"])
     p.add_argument(
         "--windows", type=int, default=windows,
-        help="evaluation windows (default: every window of the split)" if windows is None
-        else f"evaluation windows (default {windows}, the paper's)",
+        help="evaluation windows drawn evenly across the split (default: every full window)"
+        if windows is None else f"evaluation windows drawn evenly across the split (default "
+        f"{windows}, the paper's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--seed", type=int, default=0,
+        help="seed of the draws: the windows' offset (probe_text.spread_indices) and any mask",
     )  # fmt: skip
     p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -41,7 +46,8 @@ class ProbeRun:
 
 
 def open_run(args: argparse.Namespace, gated_only: bool = False) -> ProbeRun:
-    """The cells of ``--run`` (only the gated ones if asked) and their windows of ``--split``."""
+    """The cells of ``--run`` (only the gated ones if asked) and ``--windows`` windows of
+    ``--split`` drawn across it with ``--seed``."""
     cells = load_cells(args.run, args.cells, args.device)
     if gated_only:
         cells = {name: c for name, c in cells.items() if c.gated}
@@ -49,7 +55,7 @@ def open_run(args: argparse.Namespace, gated_only: bool = False) -> ProbeRun:
             raise SystemExit(f"error: no gated cell among {args.cells or 'the cells'} under {args.run}")  # fmt: skip
     data_cfg = next(iter(cells.values())).config.data
     tokens_BT, lengths_B, vocab = cell_windows(
-        args.run, list(cells), data_cfg, args.split, args.windows
+        args.run, list(cells), data_cfg, args.split, args.windows, args.seed
     )
     models = {name: c.model for name, c in cells.items()}
     return ProbeRun(args.out or args.run / "probes", models, tokens_BT, lengths_B, vocab)

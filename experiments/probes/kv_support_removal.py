@@ -6,10 +6,10 @@
 
 Per layer, a random fraction p of each sequence's K/V positions (the first four kept) loses its
 logits and values; the perturbation is ||O~ - O||_F / ||O||_F of the layer's attention output,
-averaged over --windows test sequences, for the isolated protocol (one layer at a time) and the
-paper's compound one (removal at every layer in a second forward pass). Prints the mean over
-layers per cell, protocol and p; writes support_removal{,_summary}.csv and support_removal.png
-under --out (default <run>/probes).
+averaged over --windows test sequences drawn across the split, for the isolated protocol (one
+layer at a time) and the paper's compound one (removal at every layer in a second forward pass).
+Prints the mean over layers per cell, protocol and p; writes support_removal{,_summary}.csv and
+support_removal.png under --out (default <run>/probes).
 
 Expected (the paper: 12 x 768 dense RoPE backbones, 50 test sequences, compound): softmax vs
 sigmoid 0.574 vs 0.579 at p = 0.1, 0.943 vs 1.051 at 0.3, 1.131 vs 3.666 at 0.5. A 2-layer tiny
@@ -30,7 +30,6 @@ def parse_args() -> argparse.Namespace:
     p = kv_run.parser(__doc__, windows=50)
     p.add_argument("--ps", type=float, nargs="+", default=[0.1, 0.3, 0.5])
     p.add_argument("--protocols", nargs="+", default=list(PROTOCOLS), choices=PROTOCOLS)
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
 
