@@ -8,8 +8,12 @@ report offline (on the whole run), and an online alarm at step s is also the off
 Layout: ``steps`` and ``values`` are 1-D and of equal length, ``steps`` non-decreasing (one
 point per logged step, as ``stabilitylab.analysis.events`` returns them). Non-finite values are
 reported by ``nonfinite`` only; the other detectors skip them, so a NaN never hides or fakes a
-statistic. Cost is O(n) numpy/pandas work except where a docstring says otherwise: each takes
-under 20 ms on 1e5 points on 2 CPU cores (tests/test_analysis.py asserts < 50 ms).
+statistic. Cost is O(n) numpy/pandas work except where a docstring says otherwise: each took
+2-22 ms on 1e5 points on 2 shared CPU cores (measured by hand, 2026-12-07; no test times them).
+
+False-alarm floors: ``grad_explosion_zscore``'s ``min_std``, ``rolling_sigma``'s
+``min_rel_std`` and ``logit_runaway``'s ``min_value`` keep a flat series or small early logits
+from firing (tests/test_analysis.py pins each on curves that fire without it).
 
 ``diverged`` is the run-level rule: the trainer's stop policy and the report's status.
 """

@@ -57,6 +57,27 @@ def diverging_curves(seed: int, at: int, n: int = 600):
     return steps, loss, gn, logit
 
 
+def floor_trap_curves(seed: int = 0, n: int = 600):
+    """Stable curves (``stable_curves``, plus a slowly growing Jacobian norm) with the three
+    shapes each false-alarm floor is there for; every detector must stay silent on them:
+
+    * from index 450 the loss and grad norm repeat one value exactly (a bf16-rounded log), and
+      from 560 sit 0.1 % / 2 % above it: a rolling std of 0 makes that step infinitely many
+      sigmas without ``rolling_sigma``'s ``min_rel_std`` and ``grad_explosion_zscore``'s
+      ``min_std`` floors;
+    * the first logits grow from 0.5 to 5 (x10 in 4 points), far below ``logit_runaway``'s
+      ``min_value`` of 30.
+    """
+    steps, loss, gn, logit = stable_curves(seed, n)
+    loss[450:] = loss[450]
+    loss[560:] *= 1.001
+    gn[450:] = 1.0
+    gn[560:] = 1.02
+    logit[:5] = [0.5, 1.0, 2.0, 4.0, 5.0]
+    jac = 2.0 * (1 + np.arange(n) / n) * np.exp(0.05 * np.random.default_rng(seed).normal(size=n))
+    return steps, loss, gn, logit, jac
+
+
 # ---- detectors ---------------------------------------------------------------------------------
 
 
@@ -197,6 +218,44 @@ def test_detectors_reject_bad_input():
     with pytest.raises(ValueError, match="window"):
         det.grad_explosion_ratio([0, 1], [1.0, 1.0], window=0)
     assert det.diverged([], [], [], []) is None
+
+
+def test_every_detector_is_silent_on_stable_curves_with_floor_traps():
+    steps, loss, gn, logit, jac = floor_trap_curves()
+    on = {"nonfinite": loss, "loss_divergence": loss, "grad_explosion_ratio": gn,
+          "grad_explosion_zscore": gn, "logit_runaway": logit, "jacobian_growth": jac,
+          "rolling_sigma": loss}  # fmt: skip
+    assert set(on) == set(det.DETECTORS)
+    fired = {name: fn(steps, on[name]) for name, fn in det.DETECTORS.items()}
+    assert fired == dict.fromkeys(det.DETECTORS), fired
+    assert det.rolling_sigma(steps, gn) is None  # the report's grad_sigma reads it too
+    assert det.diverged(steps, loss, steps, gn) is None and det.loss_blowup(steps, loss) is None
+
+
+def test_the_false_alarm_floors_are_what_keep_the_traps_silent():
+    """Each trap of ``floor_trap_curves`` fires once its floor is (nearly) removed: the floors,
+    not some other part of the rule, keep the previous test silent."""
+    steps, loss, gn, logit, _ = floor_trap_curves()
+    s560 = int(steps[560])
+    assert det.grad_explosion_zscore(steps, gn, min_std=1e-300).step == s560
+    assert det.rolling_sigma(steps, gn, min_rel_std=1e-300).step == s560
+    assert det.rolling_sigma(steps, loss, min_rel_std=1e-300).step == s560
+    assert det.logit_runaway(steps, logit, min_value=0.0).step == int(steps[4])
+    # The floors' scale: a step of 6 floors' worth does fire with the defaults.
+    gn[560:] = np.exp(6 * 0.05) * 1.0001
+    assert det.grad_explosion_zscore(steps, gn).step == s560
+    loss[560:] = loss[450] * (1 + 6 * 0.01) * 1.0001
+    assert det.rolling_sigma(steps, loss).step == s560
+
+
+def test_jacobian_growth_fires_on_x4_within_4_points_and_not_on_slow_growth():
+    steps, _, _, _, jac = floor_trap_curves()
+    assert det.jacobian_growth(steps, jac) is None  # x2 over the whole run
+    jac[300:] *= 1.5 ** np.minimum(np.arange(300), 10)  # x1.5 per point from index 300
+    hit = det.jacobian_growth(steps, jac)
+    # x4 within 4 points needs 4 steps of x1.5 (x5.06) against jitter of a few %: index 304.
+    assert hit is not None and hit.step == int(steps[304]) and hit.detector == "jacobian_growth"
+    assert "over 40 steps" in hit.detail
 
 
 # ---- event files -------------------------------------------------------------------------------
@@ -340,14 +399,14 @@ def test_summary_nonfinite_strings_become_floats(tmp_path):
 # ---- early warning, report, sweep -------------------------------------------------------------
 
 
-def _frame(steps, loss, gn, logit=None) -> pd.DataFrame:
+def _frame(steps, loss, gn, logit=None, jac=None) -> pd.DataFrame:
     rows = [("r", "a", s, tags.LOSS, v) for s, v in zip(steps, loss, strict=True)]
     rows += [("r", "a", s, tags.GRAD_NORM, v) for s, v in zip(steps, gn, strict=True)]
-    if logit is not None:
-        rows += [
-            ("r", "a", s, tags.layer(tags.MAX_LOGIT_LAYER, 0), v)
-            for s, v in zip(steps, logit, strict=True)
-        ]
+    for tag, values in ((tags.MAX_LOGIT_LAYER, logit), (tags.JACOBIAN_LAYER, jac)):
+        if values is not None:
+            rows += [
+                ("r", "a", s, tags.layer(tag, 0), v) for s, v in zip(steps, values, strict=True)
+            ]
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -372,7 +431,14 @@ def test_early_warning_leads_and_false_alarms():
 
     stable = early_warning(_frame(*stable_curves(0)))
     assert stable["divergence_step"].isna().all() and stable["lead_steps"].isna().all()
-    assert first_warning(stable) == (None, None)
+
+    # No precursor fires on the floor traps. Told of a divergence at the last step, any that
+    # did would lead it and be named: (None, None) holds only if every precursor stayed silent.
+    steps, *curves = floor_trap_curves()
+    quiet = early_warning(_frame(steps, *curves), divergence_step=int(steps[-1]))
+    assert len(quiet) == 8 and "jacobian_growth/layer_0" in set(quiet["precursor"])
+    assert quiet["step"].isna().all(), quiet[quiet["step"].notna()]
+    assert first_warning(quiet) == (None, None)
 
 
 def test_write_report_on_a_fake_paired_run(tmp_path):

@@ -1,6 +1,7 @@
 """Every attention backend against a float64 reference, with padding."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -14,6 +15,15 @@ BACKENDS = [pytest.param(n, marks=pytest.mark.interpreter) if "-triton" in n els
 # softmax-flash takes no padding and no key bias (refused: test_softmax_flash_refuses_by_name)
 PADDING_BACKENDS = [b for b in BACKENDS if b != "softmax-flash"]
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture
+def seed() -> int:
+    """Fresh inputs every run from an OS seed (not the global RNG, whose state depends on the
+    tests that ran before), printed so a failure can be replayed."""
+    s = int.from_bytes(os.urandom(4), "little") % 2**31
+    print(f"seed {s}")
+    return s
 
 
 def _reference_cases() -> list:
@@ -93,10 +103,9 @@ def _key_bias(kind, B, H, T, seed):
 @pytest.mark.parametrize("name, device, causal, key_bias", _reference_cases())
 @pytest.mark.parametrize("bias", [None, -1.5])
 @pytest.mark.parametrize("lens", [(37, 20, 1), (37, 37, 37)], ids=["padded", "full"])
-def test_backend_matches_float64_reference(name, device, causal, key_bias, bias, lens):
+def test_backend_matches_float64_reference(name, device, causal, key_bias, bias, lens, seed):
     """Every backend on odd lengths with padding, causal or not, with or without a per-key bias
     (shared or per head): its output and max |logit| against float64 maths."""
-    seed = torch.randint(0, 2**31, ()).item()
     q, k, v, lengths = _inputs(3, 2, 37, 64, list(lens), torch.float32, seed)
     kw = _key_bias(key_bias, 3, 2, 37, seed)
     q, k, v, lengths = (t.to(device) for t in (q, k, v, lengths))

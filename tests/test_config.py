@@ -3,6 +3,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -391,3 +392,152 @@ def test_requires_python_matches_the_lock():
             excluding.append(name)
     assert checked > 20, "too few pins are installed here to judge"
     assert excluding, f"no pin needs more than Python {below}: requires-python could be lower"
+
+
+# Every `_check` of config.py, each with a value just past its bound (or the one combination it
+# refuses): (key the error must name, the construction that must raise). For a bound `> 0` the
+# value is the bound itself; for `>= 0` the nearest value below it; intervals get both ends.
+# Removing a check makes its case construct without error, or fail naming another key.
+TEXT = {"source": "text"}
+LM = {"data": C.DataConfig(**TEXT), "model": C.ModelConfig(causal=True)}
+CHECKED = [
+    *[(f"model.{k}", C.ModelConfig, {k: 0}) for k in ("n_layers", "d_model", "n_heads", "d_ff")],
+    ("model.n_heads", C.ModelConfig, {"d_model": 768, "n_heads": 5}),
+    ("model.dropout", C.ModelConfig, {"dropout": 1.0}),
+    ("model.dropout", C.ModelConfig, {"dropout": -1e-9}),
+    ("model.ln_eps", C.ModelConfig, {"ln_eps": 0.0}),
+    ("model.init_std", C.ModelConfig, {"init_std": 0.0}),
+    ("model.init_scale", C.ModelConfig, {"init_scale": 0.0}),
+    *[(f"model.{k}", C.ModelConfig, {k: 1}) for k in ("causal", "gates", "gate_per_head")],
+    ("model.qk_layernorm", C.ModelConfig, {"qk_layernorm": 1}),
+    ("model.qk_layernorm", C.ModelConfig, {"qk_layernorm": True, "qk_norm": "rmsnorm"}),
+    ("model.position", C.ModelConfig, {"position": "rope", "d_model": 12, "n_heads": 4}),
+    ("model.rope_base", C.ModelConfig, {"rope_base": 1.0}),
+    ("model.gates", C.ModelConfig, {"gates": True, "n_layers": 1}),
+    ("model.gate_bias_init", C.ModelConfig, {"gate_bias_init": math.inf}),  # check_finite's too
+    ("data.context_len", C.DataConfig, {"context_len": 1}),
+    ("data.pad_to_multiple", C.DataConfig, {"pad_to_multiple": 0}),
+    ("data.pad_to_multiple", C.DataConfig, {"context_len": 64, "pad_to_multiple": 3}),
+    ("data.pad_to_multiple", C.DataConfig, {**TEXT, "context_len": 64, "pad_to_multiple": 2}),
+    ("data.text_files", C.DataConfig, {**TEXT, "text": "files"}),
+    ("data.hf_dataset", C.DataConfig, {**TEXT, "text": "hf"}),
+    ("data.n_genes", C.DataConfig, {"n_genes": 7, "genes_per_program": 4}),
+    ("data.mask_prob", C.DataConfig, {"mask_prob": 0.0}),
+    ("data.mask_prob", C.DataConfig, {"mask_prob": 1.0}),
+    ("data.min_genes", C.DataConfig, {"min_genes": 0}),
+    ("data.min_genes", C.DataConfig, {"context_len": 64, "min_genes": 65}),
+    ("data.n_cell_types", C.DataConfig, {"n_cell_types": 0}),
+    ("data.n_programs", C.DataConfig, {"n_programs": 0}),
+    ("data.genes_per_program", C.DataConfig, {"genes_per_program": 0}),
+    ("data.genes_per_program", C.DataConfig, {"n_genes": 100, "genes_per_program": 101}),
+    ("data.dispersion", C.DataConfig, {"dispersion": 0.0}),
+    ("data.dropout_rate", C.DataConfig, {"dropout_rate": 1.0}),
+    ("data.dropout_rate", C.DataConfig, {"dropout_rate": -1e-9}),
+    ("data.h5ad_layer", C.DataConfig, {"h5ad_layer": " X"}),
+    ("data.h5ad_path", C.DataConfig, {"source": "h5ad"}),
+    *[(f"train.{k}", C.TrainConfig, {k: 0}) for k in ("steps", "global_batch", "micro_batch")],
+    ("train.micro_batch", C.TrainConfig, {"global_batch": 8, "micro_batch": 3}),
+    ("train.lr", C.TrainConfig, {"lr": 0.0}),
+    ("train.lr_scale", C.TrainConfig, {"lr_scale": 0.0}),
+    ("train.warmup_steps", C.TrainConfig, {"warmup_steps": -1}),
+    ("train.weight_decay", C.TrainConfig, {"weight_decay": -1e-9}),
+    ("train.beta1/beta2", C.TrainConfig, {"beta1": 1.0}),
+    ("train.beta1/beta2", C.TrainConfig, {"beta1": -1e-9}),
+    ("train.beta1/beta2", C.TrainConfig, {"beta2": 1.0}),
+    ("train.beta1/beta2", C.TrainConfig, {"beta2": -1e-9}),
+    ("train.eps", C.TrainConfig, {"eps": 0.0}),
+    ("train.clip_grad", C.TrainConfig, {"clip_grad": 0.0}),
+    ("train.checkpoint_every", C.TrainConfig, {"checkpoint_every": -1}),
+    ("train.peak_tflops", C.TrainConfig, {"peak_tflops": 0.0}),
+    ("train.budget_lambda", C.TrainConfig, {"budget_lambda": -1e-9}),
+    *[
+        (f"train.{k}", C.TrainConfig, {k: 1})
+        for k in ("deterministic", "fast", "compile", "group_by_length")
+    ],
+    ("train.compile", C.TrainConfig, {"fast": True, "compile": True}),
+    ("train.fast", C.TrainConfig, {"fast": True, "deterministic": True}),
+    *[
+        (f"telemetry.{k}", C.TelemetryConfig, {k: -1})
+        for k in ("log_every", "layer_every", "logit_every", "probe_every", "val_every")
+    ],
+    ("telemetry.val_batches", C.TelemetryConfig, {"val_batches": -1}),
+    ("telemetry.probe_samples", C.TelemetryConfig, {"probe_samples": 0}),
+    ("telemetry.probe_tokens", C.TelemetryConfig, {"probe_tokens": 1}),
+    ("telemetry.probe_iters", C.TelemetryConfig, {"probe_iters": 0}),
+    ("telemetry.flush_secs", C.TelemetryConfig, {"flush_secs": 0}),
+    *[
+        (f"study.{k}", C.StudyConfig, {k: -1})
+        for k in ("prefill", "window", "val_windows", "test_windows", "seed")
+    ],
+    ("study.batch_size", C.StudyConfig, {"batch_size": 0}),
+    ("study.timing_repeats", C.StudyConfig, {"timing_repeats": 0}),
+    ("study.probe_windows", C.StudyConfig, {"probe_windows": 0}),
+    ("study.probe_ps", C.StudyConfig, {"probe_ps": ()}),
+    ("study.probe_ps", C.StudyConfig, {"probe_ps": (0.1, "0.3")}),
+    ("study.probe_ps", C.StudyConfig, {"probe_ps": (0.0,)}),
+    ("study.probe_ps", C.StudyConfig, {"probe_ps": (1.0,)}),
+    # decode_split, run by Config for text data: a 64-token context.
+    ("study.prefill", C.Config, {**LM, "data": C.DataConfig(**TEXT, context_len=64),
+                                 "study": C.StudyConfig(prefill=64)}),
+    ("study.window", C.Config, {**LM, "data": C.DataConfig(**TEXT, context_len=64),
+                                "study": C.StudyConfig(prefill=32, window=33)}),
+    ("preset", C.Config, {"preset": "bogus"}),
+    ("name", C.Config, {"name": "a/b"}),
+    ("model.causal", C.Config, {"data": C.DataConfig(**TEXT)}),
+    ("cells", C.Config, {"cells": ["sm-rope", "sm-rope2"]}),
+    ("cells", C.Config, {**LM, "cells": ["sm-rope", "sm-rope"]}),
+    ("cells", C.Config, {**LM, "cells": []}),
+    ("cells", C.Config, {"cells": ["sm-rope"]}),
+    ("arm", C.Config, {**LM, "arm": "softmax"}),
+    ("telemetry.val_every", C.Config, {"telemetry": C.TelemetryConfig(val_every=10)}),
+    ("softmax_backend", C.Config, {"softmax_backend": "softmax-triton",
+                                   "model": C.ModelConfig(d_model=96, n_heads=3)}),
+    ("sigmoid_backend", C.Config, {"sigmoid_backend": "sigmoid-triton",
+                                   "model": C.ModelConfig(d_model=96, n_heads=3)}),
+    ("softmax_backend", C.Config, {"softmax_backend": "softmax",
+                                   "train": C.TrainConfig(deterministic=True)}),
+]  # fmt: skip
+
+
+def _checked_keys_in_source() -> set[str]:
+    """The key of every ``_check(ok, key, msg)`` in config.py's classes; a key that is a loop's
+    variable (``key``, ``f"model.{k}"``) expanded over the loop's tuple in the same method."""
+    tree = ast.parse((ROOT / "stabilitylab" / "config.py").read_text())
+    methods = [
+        f
+        for cls in tree.body
+        if isinstance(cls, ast.ClassDef)
+        for f in cls.body
+        if isinstance(f, ast.FunctionDef)
+    ]
+    keys = set()
+    for method in methods:
+        loops = {
+            node.target.id: [e.value for e in node.iter.elts]
+            for node in ast.walk(method)
+            if isinstance(node, ast.For) and isinstance(node.iter, ast.Tuple)
+        }
+        for call in ast.walk(method):
+            if not (isinstance(call, ast.Call) and getattr(call.func, "id", "") == "_check"):
+                continue
+            key = call.args[1]
+            if isinstance(key, ast.Constant):
+                keys.add(key.value)
+            elif isinstance(key, ast.Name):
+                keys |= set(loops[key.id])
+            else:  # f"section.{k}"
+                prefix, var = key.values[0].value, key.values[1].value.id
+                keys |= {f"{prefix}{k}" for k in loops[var]}
+    return keys
+
+
+def test_every_check_in_config_py_has_a_case():
+    """A range check added to config.py without a case in CHECKED fails here; so does a case
+    whose check is gone."""
+    assert _checked_keys_in_source() == {key for key, _, _ in CHECKED}
+
+
+@pytest.mark.parametrize("key, cls, kwargs", CHECKED, ids=[f"{key}={kw}" for key, _, kw in CHECKED])
+def test_a_value_just_past_each_bound_is_refused_by_name(key, cls, kwargs):
+    with pytest.raises(C.ConfigError, match=rf"^config {re.escape(key)}: "):
+        cls(**kwargs)

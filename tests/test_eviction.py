@@ -376,10 +376,33 @@ def test_select_tau_rule():
     taus = [0.0, 0.01, 0.05, 0.1, 0.2]
     ppl = [20.0, 20.02, 20.09, 20.1, 21.0]
     comp = [0.0, 0.1, 0.2, 0.3, 0.5]
-    assert select_tau_index(taus, ppl, comp) == 2  # 20.1 - 20.0 is not < 0.1
+    # 20.1 - 20.0 is 0.10000000000000142 in floating point: past 0.1 under < and <= alike.
+    assert select_tau_index(taus, ppl, comp) == 2
+    # The boundary itself, in exactly representable numbers: a PPL rise equal to max_delta is
+    # refused (strictly less than), one 2^-9 below it is taken.
+    exact = [0.0, 0.1, 0.2]
+    assert select_tau_index(exact, [16.0, 16.0625, 16.125], [0.0, 0.25, 0.5], 0.125) == 1
+    assert select_tau_index(exact, [16.0, 16.0625, 16.123046875], [0.0, 0.25, 0.5], 0.125) == 2
     assert select_tau_index(taus, ppl, [0.0, 0.2, 0.2, 0.3, 0.5]) == 1  # tie: the smaller tau
     assert select_tau_index(taus, [20.0, 25, 25, 25, 25], comp) == 0
     assert len(TAU_GRID) == 15 and TAU_GRID[0] == 0.0
+
+
+def test_the_relative_rule_takes_its_bound_and_refuses_nan():
+    """Delta ln PPL <= max_delta: a zero tolerance still takes an equal PPL (``<`` would not)."""
+    assert TauRule("relative", 0.0).accepts(16.0, 16.0)
+    assert not TauRule("relative", 0.0).accepts(16.000001, 16.0)
+    rule = TauRule()
+    assert rule.accepts(16.0 * 1.0045, 16.0) and not rule.accepts(16.0 * 1.0046, 16.0)
+    assert not rule.accepts(float("nan"), 16.0) and not rule.accepts(16.0, float("nan"))
+    taus, comp = [0.0, 0.1, 0.2], [0.0, 0.2, 0.4]
+    # ln(20.08 / 20) = 0.0040 is taken, ln(20.1 / 20) = 0.0050 is not.
+    assert select_tau_index(taus, [20.0, 20.08, 20.1], comp, rule=rule) == 1
+    assert select_tau_index(taus, [float("nan"), 20.0, 20.0], comp, rule=rule) == 0  # no reference
+    with pytest.raises(ValueError, match="relative or absolute"):
+        TauRule("ratio")
+    with pytest.raises(ValueError, match=">= 0"):
+        TauRule("relative", -0.1)
 
 
 def test_tau_is_selected_on_validation_and_frozen_for_test(seed):
@@ -389,10 +412,13 @@ def test_tau_is_selected_on_validation_and_frozen_for_test(seed):
         sweep_tau(model, test, decode=DECODE)
     sweep = sweep_tau(model, val, grid=(0.0, 0.3, 0.6), decode=DECODE, max_windows=2)
     sel = select_tau(sweep)
-    assert sel.tau in (0.0, 0.3, 0.6)
+    ref = sweep.results[0].ppl
     rule = TauRule()  # the default: Delta ln PPL <= 0.0045
-    ok = [r.compression for r in sweep.results if rule.accepts(r.ppl, sweep.results[0].ppl)]
-    assert sel.val_result.compression == max(ok)
+    rows = zip(sweep.taus, sweep.results, strict=True)
+    ok = [(r.compression, t) for t, r in rows if rule.accepts(r.ppl, ref)]
+    best = max(c for c, _ in ok)
+    assert sel.tau == min(t for c, t in ok if c == best)  # the rule, ties to the smaller tau
+    assert sel.val_result.compression == best
     with pytest.raises(ValueError, match="validation only"):
         Selection(Sweep(Split.TEST, sweep.fingerprint, sweep.taus, sweep.results))
     with pytest.raises(ValueError, match="frozen on validation"):

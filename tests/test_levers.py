@@ -212,25 +212,42 @@ def _grads(model):
 
 @pytest.mark.parametrize("arm", ["softmax", "sigmoid-reference"])
 def test_every_variant_computes_the_eager_step(arm):
-    """Loss and gradients of the first step of each variant equal eager's (mb2 / mb4 / mb8: its
-    first row is eager's batch, and the loss is finite); compile traces the whole model
-    (fullgraph)."""
+    """Loss and gradients of the first step of each variant equal eager's on the same batch: a
+    variant of mbN (``all`` has mb8) against eager at a micro-batch of N sequences, whose batch
+    it must be; compile traces the whole model (fullgraph). Then ``all`` (every lever, the
+    accumulation over ACCUM_MICRO_BATCHES micro-batches included) and eager at mb8 take an
+    optimizer step: the same loss, the same weights after it, the same loss on them."""
     cfg = smoke()
     rigs = {v: build_rig(cfg, arm, v, "cpu", compile_backend="aot_eager") for v in VARIANTS}
-    ref = rigs.pop("eager")
-    ref.loss().backward()
-    ref_grads = _grads(ref.model)
+    refs = {}  # N -> (eager at a micro-batch of N, its loss, its gradients)
     for variant, rig in rigs.items():
-        assert torch.equal(rig.batch[0][:1], ref.batch[0]), variant
+        n = micro_batch_factor(rig.levers)
+        if n not in refs:
+            ref = build_rig(cfg, arm, "eager", "cpu", micro_batch=n)
+            ref_loss = ref.loss()
+            ref_loss.backward()
+            refs[n] = (ref, ref_loss.detach(), _grads(ref.model))
+        ref, ref_loss, ref_grads = refs[n]
+        assert rig.batch[0].shape[0] == n and torch.equal(rig.batch[0], ref.batch[0]), variant
         if rig.levers & COMPILED:
             assert rig.compile_note.startswith("fullgraph"), (variant, rig.compile_note)
         loss = rig.loss()
         loss.backward()
-        if micro_batch_factor(rig.levers) > 1:
-            assert rig.batch[0].shape[0] == micro_batch_factor(rig.levers) and torch.isfinite(loss)
-            continue
-        torch.testing.assert_close(loss.detach(), ref.loss().detach(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(_grads(rig.model), ref_grads, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-5, atol=1e-6, msg=variant)
+        torch.testing.assert_close(_grads(rig.model), ref_grads, rtol=1e-4, atol=1e-6, msg=variant)
+
+    composite, eager = rigs["all"], refs[8][0]
+    assert micro_batch_factor(composite.levers) == 8 and composite.micro_batches > 1
+    for rig in (composite, eager):
+        rig.optimizer.zero_grad(set_to_none=True)
+    first = composite.step()
+    torch.testing.assert_close(first, eager.step(), rtol=1e-5, atol=1e-6)
+    for p_got, p_want in zip(composite.params, eager.params, strict=True):
+        torch.testing.assert_close(p_got, p_want, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        after = composite.loss()
+        torch.testing.assert_close(after, eager.loss(), rtol=1e-5, atol=1e-6)
+    assert after < first  # the update moved the weights, and downhill
 
 
 def test_deterministic_backends_are_the_ones_train_deterministic_picks():

@@ -1,19 +1,20 @@
 """The divergence policy on hand-made step numbers: what it records, what it saves, when it stops."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 
+from stabilitylab.config import Config, TelemetryConfig, TrainConfig
 from stabilitylab.train.policy import MAX_CONSECUTIVE_NONFINITE, History, Policy
 
 NAN = float("nan")
 
 
 def make_policy(on_divergence="stop", log_every=1):
-    cfg = SimpleNamespace(
-        train=SimpleNamespace(on_divergence=on_divergence),
-        telemetry=SimpleNamespace(log_every=log_every),
+    # A real config: the keys the policy reads must exist, and the values be ones it accepts.
+    cfg = Config(
+        train=TrainConfig(on_divergence=on_divergence),
+        telemetry=TelemetryConfig(log_every=log_every),
     )
     hist, saved, said = History(), [], []
     policy = Policy(cfg, hist, lambda *a: saved.append(a), said.append)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -30,8 +31,11 @@ F64 = torch.float64
 
 
 def fresh_generator() -> torch.Generator:
-    """A generator seeded from the OS: new inputs every run, without touching the global RNG."""
-    return torch.Generator().manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+    """A generator seeded from the OS: new inputs every run, without touching the global RNG;
+    the seed is printed (pytest shows it with a failure) so the inputs can be replayed."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"generator seed {seed}")
+    return torch.Generator().manual_seed(seed)
 
 
 # ---- score maps ----------------------------------------------------------------------------

