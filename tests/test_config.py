@@ -476,6 +476,13 @@ CHECKED = [
     ("study.probe_ps", C.StudyConfig, {"probe_ps": (0.1, "0.3")}),
     ("study.probe_ps", C.StudyConfig, {"probe_ps": (0.0,)}),
     ("study.probe_ps", C.StudyConfig, {"probe_ps": (1.0,)}),
+    ("study.max_delta_log_ppl", C.StudyConfig, {"max_delta_log_ppl": -1e-9}),
+    ("study.max_delta_ppl", C.StudyConfig, {"max_delta_ppl": 0.0}),
+    ("study.baselines", C.StudyConfig, {"baselines": ("h2o", "lru")}),
+    ("study.baselines", C.StudyConfig, {"baselines": ("h2o", "h2o")}),
+    ("study.baseline_windows", C.StudyConfig, {"baseline_windows": -1}),
+    ("study.bootstrap", C.StudyConfig, {"bootstrap": 99}),
+    ("study.heldout_shards", C.StudyConfig, {"heldout_files": ["a.txt"], "heldout_shards": "d"}),
     # decode_split, run by Config for text data: a 64-token context.
     ("study.prefill", C.Config, {**LM, "data": C.DataConfig(**TEXT, context_len=64),
                                  "study": C.StudyConfig(prefill=64)}),
