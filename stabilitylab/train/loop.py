@@ -288,7 +288,8 @@ def _steps(a: Arm, batches, stopper: Stopper, progress: Progress) -> int:
     while step < cfg.train.steps:
         t0 = time.perf_counter()
         data = next(batches).to(device, non_blocking=True)
-        out = train_step(t, data, build.lr_at(cfg, step), cfg.train.clip_grad, a.tel)
+        lam = build.budget_lambda_at(cfg, step)
+        out = train_step(t, data, build.lr_at(cfg, step), cfg.train.clip_grad, a.tel, lam)
         if a.val_due(step):
             out.val_2 = validation_sums(t, a.val)
         numbers = read_numbers(out)
