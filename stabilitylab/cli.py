@@ -137,6 +137,9 @@ def kv_study_main(argv: list[str] | None = None) -> int:
             )
         if cfg.study.parallel:
             from stabilitylab.eviction.pairs import run_pairs
+            from stabilitylab.train.warmstart import check_sources
+
+            check_sources(cfg)  # an -ft cell's backbone, train.init_from: before any process
 
             code, study_md = run_pairs(sys.argv[1:] if argv is None else argv, cfg)
             if study_md is not None:
