@@ -190,7 +190,7 @@ def load_cell(cell_dir: Path, device: str | torch.device = "cpu") -> TrainedCell
 
 def _shared_keys(resolved: dict, cell: str) -> dict:
     """The training keys of a config.json every cell of a study must share (keys it lacks, from
-    before they existed, at their defaults)."""
+    before they existed, at their defaults); an -ft cell's ``FINETUNE_KEYS`` are its own."""
     flat = with_defaults(flatten(resolved))
     own = OWNED_KEYS + (FINETUNE_KEYS if is_finetune(cell) else ())
     return {
@@ -198,6 +198,11 @@ def _shared_keys(resolved: dict, cell: str) -> dict:
         for k, v in flat.items()
         if k not in own and k not in UNSHARED_KEYS and not k.startswith(FREE_PREFIXES)
     }
+
+
+def _compared(key: str, cell: str) -> bool:
+    """Whether ``cell``'s value of ``key`` takes part in the shared-settings check."""
+    return not (is_finetune(cell) and key in FINETUNE_KEYS)
 
 
 def check_shared(resolved: dict[str, dict]) -> None:
@@ -208,7 +213,7 @@ def check_shared(resolved: dict[str, dict]) -> None:
     keys = sorted(set().union(*shared.values()))
     diffs = []
     for key in keys:
-        values = {cell: s.get(key, "<absent>") for cell, s in shared.items()}
+        values = {c: s.get(key, "<absent>") for c, s in shared.items() if _compared(key, c)}
         if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
             diffs.append(f"{key}: " + ", ".join(f"{c}={v!r}" for c, v in values.items()))
     if diffs:
