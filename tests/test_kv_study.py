@@ -52,7 +52,8 @@ def test_all_eight_cells_train_and_learn(eight_cells):
     for cell, s in summaries.items():
         d = run_dir / cell
         assert s["status"] == "stable" and s["steps"] == STEPS, cell
-        assert s["final_loss"] < s["initial_loss"] - 1.0, cell
+        # The preset's cosine decays the lr over the 30 steps (to 10% at the last): 6.4 -> 5.5.
+        assert s["final_loss"] < s["initial_loss"] - 0.8, cell
         assert s["final_val_ppl"] < 0.7 * s["first_val_ppl"], cell
         hist = read_state(d / "checkpoints" / "last")["history"]
         assert hist["val_steps"] == [0, 10, 20, STEPS - 1]
@@ -290,7 +291,8 @@ def test_the_script_help_lists_presets_and_cells():
     text = " ".join(proc.stdout.replace("\u2502", " ").split())
     for name in ("tiny", "reduced", "paper"):
         assert f"{name} {C.preset_summary(name)}" in text
-    assert "--cells [{" + ",".join(C.ALL_CELLS) + "}" in text
+    assert "--cells [{" + ",".join(C.CELLS) + "," in text  # the choices wrap after the 8
+    assert ",".join(C.FT_CELLS) + "} [...]]" in text
     assert "(default: 150)" in text  # tiny's steps: the chosen preset's values
 
 
