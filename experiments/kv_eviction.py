@@ -10,7 +10,17 @@ initial weights where their parameters coincide and on the same batches
     python experiments/kv_eviction.py --preset tiny --help          # every key, presets, cells
 
 Cells: sm-rope sig-rope sm-g-rope sig-g-rope sm-nope sig-nope sm-g-nope sig-g-nope (the paper's
-SM, Sig, SM+G, Sig+G, each RoPE / NoPE). Runs go to runs/<name>/<cell>/ (name: kv_tiny,
+SM, Sig, SM+G, Sig+G, each RoPE / NoPE). On request, the fine-tune controls sm-g-rope-ft
+sig-g-rope-ft sm-g-nope-ft sig-g-nope-ft: the gated cell started from its dense backbone's trained
+weights (gates at w = 0, b = 5) for --train.finetune_steps steps (default a quarter of
+train.steps), the backbone listed before it or trained already:
+
+    python experiments/kv_eviction.py --preset tiny --cells sig-rope sig-g-rope-ft
+
+The presets train with the gate recipe (per-gate lambda, lambda ramped in, cosine lr, gates not
+decayed; stabilitylab/presets.py says where each comes from); --train.budget_norm=mean
+--train.budget_ramp=0 --train.lr_decay=none --train.gate_weight_decay=True is the paper's literal
+form. Runs go to runs/<name>/<cell>/ (name: kv_tiny,
 kv_reduced, kv_paper), then the summary table (validation perplexity, gate mean and
 binarization per cell) and the report over the cells (runs/<name>/report/).
 

@@ -13,7 +13,10 @@ rerun resumes and skips finished cells; the study.* keys never make a trained ce
 resume). Then, on the main process only: each gated cell's tau is swept on validation (15
 points), tau* = the highest compression whose PPL is < 0.1 above its own tau = 0, frozen and run
 on test; its dense backbone (SM+G-RoPE -> SM-RoPE, ...) and H2O / KeyDiff on that backbone at the
-matched final live-cache size run on the same test windows. Output: runs/<name>/study/
+matched final live-cache size run on the same test windows. A fine-tune control in --cells
+(sig-g-rope-ft: sig-g-rope started from the trained sig-rope) is trained after its backbone and
+studied as a gated cell on that backbone; --study.parallel=True trains it in its backbone's
+process, after it. Output: runs/<name>/study/
 (table1, table2, table5, decode_speed as .md and .csv, fig1_ppl_vs_compression.png, study.md).
 
 Decode speed: each gated cell on test at tau* and at tau = 0, --study.timing_repeats runs of each

@@ -27,8 +27,9 @@ TRAIN_DESCRIPTION = (
 KV_DESCRIPTION = (
     "The KV-eviction study: a causal decoder on text in up to 8 cells (softmax / sigmoid "
     "attention x dense / learned KV-eviction gates x RoPE / NoPE) from the same initial weights "
-    "and batches; a preset sets every default, --section.key=value overrides one, --cells picks "
-    "cells; then the summary table and the report over the cells."
+    "and batches, and on request their fine-tune controls (-ft: a gated cell from its trained "
+    "dense backbone); a preset sets every default, --section.key=value overrides one, --cells "
+    "picks cells; then the summary table and the report over the cells."
 )
 KV_STUDY_DESCRIPTION = (
     "The KV-eviction study in one command: train the cells not trained yet (a rerun resumes and "
