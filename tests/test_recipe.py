@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from stabilitylab import config as C
-from stabilitylab import runs
+from stabilitylab import runs, tags
+from stabilitylab.analysis.events import load_runs
 from stabilitylab.cli import USAGE_ERROR, kv_main, kv_study_main
 from stabilitylab.data.loader import StepBatches
 from stabilitylab.eviction.cells import dense_backbone, load_cells
@@ -268,6 +269,12 @@ def test_the_ft_cell_starts_from_its_trained_backbone_and_trains_its_own_steps(f
     model.load_state_dict(last, strict=False)
     assert build.weights_hash(model) == ft["init_hash"] != dense["init_hash"]
     assert ft["dead_gate_layers"] == [] and "dead_gate_layers" not in dense
+    # Its own ramp: lambda 0 at its step 0, full from step 0.25 * 2 on.
+    logged = load_runs([run_dir / "sig-g-rope-ft"])
+    budget = logged[logged.tag == tags.BUDGET_LOSS].set_index("step")["value"]
+    assert budget[0] == 0.0
+    hist = checkpoint.read_state(run_dir / "sig-g-rope-ft" / "checkpoints" / "last")["history"]
+    assert hist["last"]["budget_loss"] > 0  # step 1
 
 
 def test_the_study_loads_the_ft_cell_as_a_gated_cell_on_its_backbone(ft_run):
