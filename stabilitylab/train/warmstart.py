@@ -85,7 +85,7 @@ def source_checkpoint(source: Path, arm: str) -> Path:
 
 
 def source_config(ckpt: Path, source: Path, arm: str) -> dict:
-    """The resolved config the source's run saved in its manifest, missing keys at defaults."""
+    """The resolved config the source's run saved in its checkpoint's manifest."""
     try:
         manifest = checkpoint.read_manifest(ckpt)
     except checkpoint.CheckpointError as e:
@@ -119,12 +119,11 @@ def check_shape(resolved: dict, cfg: Config, arm: str, source: Path) -> None:
 
 def check_finished(resolved: dict, source: Path, arm: str) -> None:
     """An -ft cell's backbone trained to its end (the study compares it with the finished one)."""
-    summary = runs.read_summary(source)
+    summary = runs.read_summary(source) or {}
     steps = with_defaults(flatten(resolved))["train.steps"]
-    if (summary or {}).get("status") == "diverged" or not finished(summary, steps, "stop"):
-        state = f"step {(summary or {}).get('steps', '?')} of {steps}, status " + str(
-            (summary or {}).get("status", "no summary.json")
-        )
+    if summary.get("status") == "diverged" or not finished(summary, steps, "stop"):
+        state = f"step {summary.get('steps', '?')} of {steps}, status "
+        state += summary.get("status", "no summary.json")
         raise refuse(arm, source, f"is not a finished dense cell ({state}); train it first")
 
 
