@@ -24,9 +24,10 @@ form. Runs go to runs/<name>/<cell>/ (name: kv_tiny,
 kv_reduced, kv_paper), then the summary table (validation perplexity, gate mean and
 binarization per cell) and the report over the cells (runs/<name>/report/).
 
-Expected on tiny (measured, 2 CPU cores, ~30 s for the 8 cells): every cell's training CE falls
-from 6.4 (ln 595) to 2.3-2.6 and its validation perplexity from ~597 to 215-265; the gated
-cells' gates leave 0.9933 (sigmoid(5)) slowly, as the budget term pushes them down. The paper, at its scale: dense softmax beats dense sigmoid by 0.36
+Expected on tiny (measured, 2 CPU cores, ~30 s for the 8 cells on idle cores): every cell's
+training CE falls from 6.4 (ln 595) to 3.3-3.5 and its validation perplexity from ~597 to
+199-217; the gated cells' gates leave 0.9933 (sigmoid(5)) slowly (0.9930-0.9932 at the end), as
+the budget term pushes them down. The paper, at its scale: dense softmax beats dense sigmoid by 0.36
 (RoPE) and 1.2 (NoPE) perplexity, and the gated sigmoid cells delete 20-32% of the cache at
 nearly dense perplexity (eviction at inference is not built here).
 
