@@ -29,7 +29,8 @@ rewrites decode_speed and study.md; the ``measured_alone`` column records it.
 Expected on tiny (measured, 2 CPU cores, 2026-12-02): about 30 s of training and 10 s of study
 on idle cores (6 min with the cores shared); the gates stay near sigmoid(5) = 0.993, above every
 grid point, so tau* = 0 and compression 0 for each gated cell (nothing to evict at this size);
-the baselines at that full budget equal the dense backbone; decode-window test PPL 400-500. The paper, at its scale: Sig+G RoPE
+the baselines at that full budget equal the dense backbone; decode-window test PPL 400-500 (with
+the gate recipe, 2026-12-07: 329-398, tau* = 0 still). The paper, at its scale: Sig+G RoPE
 deletes 19.8% of the cache at PPL 22.42 vs dense 22.44, Sig+G NoPE 32.2% at 24.64 vs 24.60.
 
 Exit status: 0 when the study was written, 75 when SIGTERM / SIGINT stopped the training after a
