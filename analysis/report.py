@@ -17,7 +17,10 @@ precursor that fired on more than ``rates.FALSE_ALARM_MAX`` of the stable runs. 
 passes silently: an arm without an event file, or whose event files hold no scalar, keeps its
 row (status from summary.json, else ``no data``) with a note; an event file cut mid-record is
 named in report.md as well as in the printed warning; a missing tag leaves a panel empty with a
-note in the figure and in report.md. Bad paths print one line and exit with code 2.
+note in the figure and in report.md. Gated arms (the KV-eviction study's) get a line each under
+"Dead gate layers": the gate layers summary.json lists as dead (``dead_gate_layers``: mean gate
+below ``telemetry.dead_gate_below`` at the last logged step), flagged, or none. Bad paths print one
+line and exit with code 2.
 """
 
 from __future__ import annotations
@@ -163,8 +166,35 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     summary.to_csv(paths["summary.csv"], index=False)
     early.to_csv(paths["early_warning.csv"], index=False)
     missing = data_notes(df, found, cut)
-    paths["report.md"].write_text(_markdown(summary, early, notes, found, missing, rates))
+    text = _markdown(
+        summary, early, notes, found, missing, rates, dead_gate_lines(found, summaries)
+    )
+    paths["report.md"].write_text(text)
     return paths
+
+
+def dead_gate_lines(found: list[tuple[Path, str, str]], summaries: dict) -> list[str]:
+    """One line per gated arm (its summary.json has ``dead_gate_layers``): the gate layers whose
+    mean gate at the last logged step fell below ``telemetry.dead_gate_below``, flagged DEAD, or
+    none; empty when no arm is gated."""
+    lines = []
+    for _, run, arm in found:
+        s = summaries.get((run, arm)) or {}
+        if "dead_gate_layers" not in s:
+            continue
+        dead, below = s["dead_gate_layers"], s.get("dead_gate_below")
+        if dead is None:
+            what = "no logged gate (telemetry.log_every=0): not checked"
+        elif dead:
+            means = s.get("gate_mean_layers") or []
+            shown = ", ".join(
+                f"{i} (mean {markdown.fmt(means[i])})" for i in dead if i < len(means)
+            )
+            what = f"**DEAD gate layers: {shown or dead}** (mean gate < {below:g})"
+        else:
+            what = f"none (every layer's mean gate >= {below:g})"
+        lines.append(f"- `{run}` / `{arm}`: {what}")
+    return lines
 
 
 def repeat_tables(
@@ -269,11 +299,19 @@ def _mechanism_markdown(summary: pd.DataFrame) -> list[str]:
     ]
 
 
-def _markdown(summary, early, notes, found, missing, rates=None) -> str:
+def _markdown(summary, early, notes, found, missing, rates=None, dead_gates=()) -> str:
     lines = ["# Stability report", "", "Runs:"]
     lines += [f"- `{d}` (run `{run}`, arm `{arm}`)" for d, run, arm in found]
     if missing:
         lines += ["", "## Missing or cut data", "", *[f"- {m}" for m in missing]]
+    if dead_gates:
+        lines += [
+            "", "## Dead gate layers", "",
+            "Gated arms: the gate layers (numbered as `gate/mean/layer_{i}`, the layer that emits "
+            "the gate) whose mean gate at the last logged training step is below "
+            "`telemetry.dead_gate_below`: the next layer's attention is switched off there.",
+            "", *dead_gates,
+        ]  # fmt: skip
     if rates is not None:
         lines += _rates_markdown(rates)
     lines += _mechanism_markdown(summary)

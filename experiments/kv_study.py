@@ -13,7 +13,10 @@ rerun resumes and skips finished cells; the study.* keys never make a trained ce
 resume). Then, on the main process only: each gated cell's tau is swept on validation (15
 points), tau* = the highest compression whose PPL is < 0.1 above its own tau = 0, frozen and run
 on test; its dense backbone (SM+G-RoPE -> SM-RoPE, ...) and H2O / KeyDiff on that backbone at the
-matched final live-cache size run on the same test windows. Output: runs/<name>/study/
+matched final live-cache size run on the same test windows. A fine-tune control in --cells
+(sig-g-rope-ft: sig-g-rope started from the trained sig-rope) is trained after its backbone and
+studied as a gated cell on that backbone; --study.parallel=True trains it in its backbone's
+process, after it. Output: runs/<name>/study/
 (table1, table2, table5, decode_speed as .md and .csv, fig1_ppl_vs_compression.png, study.md).
 
 Decode speed: each gated cell on test at tau* and at tau = 0, --study.timing_repeats runs of each
@@ -26,7 +29,8 @@ rewrites decode_speed and study.md; the ``measured_alone`` column records it.
 Expected on tiny (measured, 2 CPU cores, 2026-12-02): about 30 s of training and 10 s of study
 on idle cores (6 min with the cores shared); the gates stay near sigmoid(5) = 0.993, above every
 grid point, so tau* = 0 and compression 0 for each gated cell (nothing to evict at this size);
-the baselines at that full budget equal the dense backbone; decode-window test PPL 400-500. The paper, at its scale: Sig+G RoPE
+the baselines at that full budget equal the dense backbone; decode-window test PPL 400-500 (with
+the gate recipe, 2026-12-07: 329-398, tau* = 0 still). The paper, at its scale: Sig+G RoPE
 deletes 19.8% of the cache at PPL 22.42 vs dense 22.44, Sig+G NoPE 32.2% at 24.64 vs 24.60.
 
 Exit status: 0 when the study was written, 75 when SIGTERM / SIGINT stopped the training after a

@@ -27,8 +27,9 @@ TRAIN_DESCRIPTION = (
 KV_DESCRIPTION = (
     "The KV-eviction study: a causal decoder on text in up to 8 cells (softmax / sigmoid "
     "attention x dense / learned KV-eviction gates x RoPE / NoPE) from the same initial weights "
-    "and batches; a preset sets every default, --section.key=value overrides one, --cells picks "
-    "cells; then the summary table and the report over the cells."
+    "and batches, and on request their fine-tune controls (-ft: a gated cell from its trained "
+    "dense backbone); a preset sets every default, --section.key=value overrides one, --cells "
+    "picks cells; then the summary table and the report over the cells."
 )
 KV_STUDY_DESCRIPTION = (
     "The KV-eviction study in one command: train the cells not trained yet (a rerun resumes and "
@@ -137,6 +138,9 @@ def kv_study_main(argv: list[str] | None = None) -> int:
             )
         if cfg.study.parallel:
             from stabilitylab.eviction.pairs import run_pairs
+            from stabilitylab.train.warmstart import check_sources
+
+            check_sources(cfg)  # an -ft cell's backbone, train.init_from: before any process
 
             code, study_md = run_pairs(sys.argv[1:] if argv is None else argv, cfg)
             if study_md is not None:

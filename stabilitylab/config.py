@@ -366,8 +366,51 @@ class TrainConfig:
     peak_tflops: float | None = None
     """Peak dense bf16 TFLOPS for MFU; None = from the GPU name (H100/H200: 989)."""
     budget_lambda: float = 0.03
-    """Gated models only: the loss is CE + budget_lambda * mean gate (the KV-eviction paper's
-    0.03); train/loss logs the sum, train/ce_loss and train/budget_loss the two terms."""
+    """Gated models only: the loss is CE + lambda * (mean gate, normalised by budget_norm), lambda
+    = budget_lambda (the KV-eviction paper's 0.03) ramped in by budget_ramp; train/loss logs the
+    sum, train/ce_loss and train/budget_loss the two terms (the budget term as added)."""
+    budget_norm: Literal["mean", "per_gate"] = "mean"
+    """How the budget term counts the gate layers. mean (the paper's literal form, and the lab's
+    before): lambda * the mean over the n_layers - 1 gate layers of each layer's mean gate, so one
+    gate layer is pulled by lambda / (n_layers - 1): lambda/5 at 6 layers, 2.2x the lambda/11 of
+    the paper's 12. per_gate: lambda * the *sum* of the layers' mean gates / (budget_ref_layers -
+    1), so one gate layer is pulled by lambda / (budget_ref_layers - 1) at any depth. At n_layers
+    = budget_ref_layers = 12 the two are one term: the paper's lambda = 0.03 over its 11 gate
+    layers, 0.03/11 = 0.0027 per layer, which per_gate keeps at 2, 6 or 8 layers."""
+    budget_ref_layers: int = 12
+    """per_gate's reference depth: the depth whose mean-normalised lambda per_gate reproduces (the
+    paper's 12 layers, 11 gate layers). Unused with budget_norm=mean."""
+    budget_ramp: float = 0.0
+    """Share of train.steps over which lambda rises linearly from 0 at step 0 to budget_lambda at
+    step budget_ramp * train.steps (then stays): the gates are not pulled down while the model is
+    still untrained (a saturated gate, g -> 0, gets no gradient back: g(1 - g) -> 0). 0 = full
+    lambda from step 0 (the paper's literal form, and the lab's before)."""
+    lr_decay: Literal["none", "cosine"] = "none"
+    """The lr after the warmup. none: constant at the peak (the lab's schedule before). cosine:
+    from the peak at step warmup_steps down to min_lr_ratio * peak at the last step, train.steps -
+    1 (GPT-3's schedule, nanoGPT's; the KV paper states none). The schedule spans train.steps: a
+    run extended with a larger train.steps follows the re-stretched curve from its resume step."""
+    min_lr_ratio: float = 0.1
+    """Floor of the cosine decay as a fraction of the peak lr (GPT-3: 10%). Unused with
+    lr_decay=none."""
+    gate_weight_decay: bool = True
+    """True (as before): the gates' weight matrices are decayed like every matrix (their biases,
+    like every bias, are not). False: every gate parameter, weight and bias, goes in the no-decay
+    group, so nothing but the loss moves the gates."""
+    init_from: str = ""
+    """Start each arm from trained weights instead of the seeded initialisation: a trained run /
+    cell directory (its checkpoints/last) or a checkpoint directory itself (with manifest.json).
+    The source must be a dense model of the arm's shape (layers, width, heads, d_ff, norms,
+    context, vocabulary, position, attention kind); a gated arm's gates start at w = 0, b =
+    model.gate_bias_init (g = sigmoid(5) = 0.9933: the dense model up to that factor); the
+    optimizer and the schedule start fresh. Read only at a fresh start (a resume loads its own
+    checkpoint). "" = the seeded initialisation. An -ft cell sets it to its backbone's directory."""
+    finetune_steps: int = 0
+    """Steps of each -ft cell of the KV study (the fine-tune controls: sig-g-rope-ft is sig-g-rope
+    started from the trained sig-rope of the same run, <out_dir>/<name>/sig-rope/, gates at w = 0,
+    b = 5); 0 = train.steps // 4. Each -ft cell runs the recipe over its own steps: warmup_steps
+    scaled by finetune_steps / train.steps, the budget ramp and the cosine over finetune_steps.
+    Extending a trained -ft cell changes its warmup, so it resumes only with --resume=force."""
     deterministic: bool = False
     """Repeat bit for bit run to run: torch.use_deterministic_algorithms(True) for the run (an op
     without a deterministic kernel stops it, naming the op), one pinned launch config per Triton
@@ -405,7 +448,8 @@ class TrainConfig:
             "must be > 0 or None",
         )
         _check(self.budget_lambda >= 0, "train.budget_lambda", "must be >= 0")
-        for key in ("deterministic", "fast", "compile", "group_by_length"):
+        self._check_recipe()
+        for key in ("deterministic", "fast", "compile", "group_by_length", "gate_weight_decay"):
             value = getattr(self, key)
             _check(isinstance(value, bool), f"train.{key}", f"must be True or False, got {value!r}")
         _check(
@@ -421,9 +465,46 @@ class TrainConfig:
             "train.deterministic is on; set --train.fast=False with --train.deterministic=True",
         )
 
+    def _check_recipe(self) -> None:
+        """The budget term's normalisation and ramp, the lr decay, the fine-tune keys."""
+        _check_literals(self, "train.", ("budget_norm", "lr_decay"))
+        _check(
+            isinstance(self.budget_ref_layers, int) and self.budget_ref_layers >= 2,
+            "train.budget_ref_layers",
+            f"must be an int >= 2 (a depth with at least one gate layer), got "
+            f"{self.budget_ref_layers!r}",
+        )
+        _check(
+            0.0 <= self.budget_ramp <= 1.0,
+            "train.budget_ramp",
+            f"must be in [0, 1] (a share of train.steps), got {self.budget_ramp}",
+        )
+        _check(
+            0.0 <= self.min_lr_ratio <= 1.0,
+            "train.min_lr_ratio",
+            f"must be in [0, 1] (a fraction of the peak lr), got {self.min_lr_ratio}",
+        )
+        _check(
+            isinstance(self.finetune_steps, int) and self.finetune_steps >= 0,
+            "train.finetune_steps",
+            f"must be an int >= 0 (0 = train.steps // 4), got {self.finetune_steps!r}",
+        )
+        _check(
+            isinstance(self.init_from, str),
+            "train.init_from",
+            f"must be a path or '', got {self.init_from!r}",
+        )
+
     @property
     def peak_lr(self) -> float:
         return self.lr * self.lr_scale
+
+    def finetune(self, source: str) -> TrainConfig:
+        """The train section of an -ft cell: ``finetune_steps`` steps (0: a quarter of
+        ``steps``), the warmup scaled by the same share, starting from ``source``."""
+        steps = self.finetune_steps or max(1, self.steps // 4)
+        warmup = round(self.warmup_steps * steps / self.steps)
+        return dataclasses.replace(self, steps=steps, warmup_steps=warmup, init_from=source)
 
 
 @dataclass
@@ -452,6 +533,11 @@ class TelemetryConfig:
     val_batches: int = 0
     """Validation batches of train.micro_batch windows each: the first ones of the val split, in
     order, the same at every pass (0 = the whole split)."""
+    dead_gate_below: float = 1e-3
+    """Gated models: a gate layer whose mean gate at the last logged training step (log_every) is
+    below this is dead (attention to the next layer switched off); summary.json lists such layers
+    as dead_gate_layers (the index of the layer that emits the gate, as gate/mean/layer_{i}) and
+    the report flags them. 0 flags none."""
 
     def __post_init__(self) -> None:
         check_finite(self, "telemetry.")
@@ -468,6 +554,11 @@ class TelemetryConfig:
         _check(self.probe_tokens > 1, "telemetry.probe_tokens", "must be > 1")
         _check(self.probe_iters > 0, "telemetry.probe_iters", "must be positive")
         _check(self.flush_secs > 0, "telemetry.flush_secs", "must be positive")
+        _check(
+            0.0 <= self.dead_gate_below < 1.0,
+            "telemetry.dead_gate_below",
+            f"must be in [0, 1) (a mean gate), got {self.dead_gate_below}",
+        )
 
 
 @dataclass
@@ -618,17 +709,38 @@ CELLS = (
 """The KV-eviction study's cells (text data), the paper's SM, Sig, SM+G, Sig+G with RoPE or NoPE:
 ``{sm|sig}[-g]-{rope|nope}`` = softmax or sigmoid attention, learned gates or none, RoPE or no
 position at all. A cell sets model.gates and model.position (:meth:`Config.arm_config`)."""
-CellName = Literal[CELLS]
+FT_SUFFIX = "-ft"
+FT_CELLS = tuple(f"{c}{FT_SUFFIX}" for c in CELLS if "-g-" in c)
+"""The fine-tune controls (not among the default cells; ask for them with --cells): a gated cell
+started from its dense backbone's trained weights of the same run, gates at w = 0, b = 5, then
+trained ``train.finetune_steps`` steps with the budget term (``TrainConfig.finetune``):
+``sig-g-rope-ft`` is gated sigmoid RoPE from ``sig-rope``. The study treats one as a gated cell
+with that backbone."""
+ALL_CELLS = CELLS + FT_CELLS
+"""Every cell name --cells takes."""
+CellName = Literal[ALL_CELLS]
+
+
+def is_finetune(cell: str) -> bool:
+    """A fine-tune control (``FT_CELLS``)."""
+    return cell in FT_CELLS
 
 
 def cell_settings(cell: str) -> tuple[str, bool, str]:
-    """``(attention kind, gates, position)`` of a cell name: ``sig-g-nope`` ->
-    ``("sigmoid", True, "none")``."""
-    if cell not in CELLS:
-        raise ConfigError(f"config cells: unknown cell {cell!r}; choose from {list(CELLS)}")
-    parts = cell.split("-")
+    """``(attention kind, gates, position)`` of a cell name: ``sig-g-nope`` (and
+    ``sig-g-nope-ft``) -> ``("sigmoid", True, "none")``."""
+    if cell not in ALL_CELLS:
+        raise ConfigError(f"config cells: unknown cell {cell!r}; choose from {list(ALL_CELLS)}")
+    parts = cell.removesuffix(FT_SUFFIX).split("-")
     kind = "softmax" if parts[0] == "sm" else "sigmoid"
     return kind, "g" in parts[1:-1], "rope" if parts[-1] == "rope" else "none"
+
+
+def backbone_of(cell: str) -> str:
+    """The dense cell a gated cell is compared with (and an -ft cell starts from): ``sig-g-rope``
+    and ``sig-g-rope-ft`` -> ``sig-rope``; a dense cell is its own."""
+    cell_settings(cell)  # refuses an unknown name
+    return cell.removesuffix(FT_SUFFIX).replace("-g-", "-")
 
 
 @dataclass
@@ -646,7 +758,10 @@ class Config:
     """KV-eviction study (data.source=text): the cells to train, in this order, from the same
     weights where their parameters coincide and on the same batches; runs go to
     <out_dir>/<name>/<cell>/. {sm|sig}[-g]-{rope|nope}: softmax or sigmoid attention, learned
-    gates (-g, the paper's +G) or none, RoPE or NoPE. A cell sets model.gates and model.position."""
+    gates (-g, the paper's +G) or none, RoPE or NoPE. A cell sets model.gates and model.position.
+    The default is the paper's 8. {sm|sig}-g-{rope|nope}-ft: the fine-tune control, the gated cell
+    started from its dense backbone's trained weights (train.finetune_steps says how long); the
+    backbone must come earlier in the list or be trained already."""
     sigmoid_backend: Literal[
         "auto", "sigmoid-reference", "sigmoid-triton", "sigmoid-triton-exact"
     ] = "auto"
@@ -721,9 +836,17 @@ class Config:
         _check(
             self.model.causal == lm, "model.causal", f"data.source={self.data.source} needs {need}"
         )
-        bad = [c for c in self.cells if c not in CELLS]
-        _check(not bad, "cells", f"unknown cell(s) {bad}; choose from {list(CELLS)}")
+        bad = [c for c in self.cells if c not in ALL_CELLS]
+        _check(not bad, "cells", f"unknown cell(s) {bad}; choose from {list(ALL_CELLS)}")
         _check(len(set(self.cells)) == len(self.cells), "cells", f"repeats a cell: {self.cells}")
+        for i, cell in enumerate(self.cells):
+            backbone = backbone_of(cell) if is_finetune(cell) else None
+            _check(
+                backbone not in self.cells[i + 1 :],
+                "cells",
+                f"{cell} starts from {backbone}'s trained weights, and the cells train in order: "
+                f"list {backbone} before {cell}",
+            )
         if lm:
             _check(bool(self.cells), "cells", "choose at least one cell")
             _check(
@@ -784,12 +907,17 @@ class Config:
 
     def arm_config(self, arm: str) -> Config:
         """The config ``arm`` trains with: this one for a stress arm; for a cell, a copy whose
-        model.gates and model.position are the cell's (checked again on the way)."""
+        model.gates and model.position are the cell's (checked again on the way); for an -ft
+        cell also its train section (``TrainConfig.finetune``: its steps, its warmup, init_from
+        = its backbone's directory in this run)."""
         if arm in ARMS:
             return self
         _, gates, position = cell_settings(arm)
+        train = self.train
+        if is_finetune(arm):
+            train = train.finetune(os.path.join(self.out_dir, self.name, backbone_of(arm)))
         return dataclasses.replace(
-            self, model=dataclasses.replace(self.model, gates=gates, position=position)
+            self, model=dataclasses.replace(self.model, gates=gates, position=position), train=train
         )
 
     def backend_for(self, arm: str, cuda: bool) -> str:

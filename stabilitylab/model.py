@@ -416,11 +416,25 @@ def gate_mean(gates: Sequence[torch.Tensor], lengths_B: torch.Tensor) -> torch.T
 
 
 def budget_loss(
-    gates: Sequence[torch.Tensor], lengths_B: torch.Tensor, budget_lambda: float
+    gates: Sequence[torch.Tensor],
+    lengths_B: torch.Tensor,
+    budget_lambda: float,
+    norm: str = "mean",
+    ref_layers: int = 12,
 ) -> torch.Tensor:
-    """The paper's budget term ``lambda * mean(g)`` (``gate_mean``), added to the mean CE.
+    """The budget term added to the mean CE, over the ``G = len(gates)`` gate layers with
+    per-layer means ``m_l`` (``gate_mean``'s):
+
+    - ``mean`` (the paper's literal form): ``lambda * sum_l m_l / G``, one layer pulled by
+      ``lambda / G``;
+    - ``per_gate``: ``lambda * sum_l m_l / (ref_layers - 1)``, one layer pulled by
+      ``lambda / (ref_layers - 1)`` whatever ``G``; equal to ``mean`` when ``G = ref_layers - 1``.
+
     Under gradient accumulation weight each micro-batch by its share of the valid tokens."""
-    return budget_lambda * gate_mean(gates, lengths_B)
+    if norm not in ("mean", "per_gate"):
+        raise ValueError(f"budget norm must be 'mean' or 'per_gate', got {norm!r}")
+    term = budget_lambda * gate_mean(gates, lengths_B)
+    return term * (len(gates) / (ref_layers - 1)) if norm == "per_gate" else term
 
 
 def vocab_size_for(n_genes: int) -> int:

@@ -139,6 +139,15 @@ def add_provenance(d: Path, **fields) -> None:
     write_json(path, {**info, **fields})
 
 
+def read_summary(d: Path) -> dict | None:
+    """summary.json of an arm dir; None when it is missing or unreadable (a run cut before it)."""
+    path = d / "summary.json"
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except ValueError:
+        return None
+
+
 def write_summary(d: Path, **fields) -> dict:
     summary = {k: (_finite_or_str(v) if isinstance(v, float) else v) for k, v in fields.items()}
     write_json(d / "summary.json", summary)
@@ -200,6 +209,21 @@ def lm_summary(hist) -> dict:
     names = {"ce_loss": "final_ce_loss", "gate_mean": "gate_mean", "gate_frac_binary": "gate_frac_binary"}  # fmt: skip
     out.update({names[k]: v for k, v in hist.last.items() if k in names})
     return out
+
+
+def dead_gates(gate_mean_L: list[float], below: float) -> dict:
+    """A gated arm's summary fields: ``gate_mean_layers`` (each gate layer's mean gate at the last
+    logged step), ``dead_gate_layers`` (the layers, numbered as gate/mean/layer_{i}, whose mean
+    is below ``below``; None when no step was logged) and ``dead_gate_below``. A NaN mean is not
+    below anything: it is no dead gate but a broken one, and stays visible in the means."""
+    if not gate_mean_L:
+        return {"gate_mean_layers": None, "dead_gate_layers": None, "dead_gate_below": below}
+    dead = [i for i, m in enumerate(gate_mean_L) if m < below]
+    return {
+        "gate_mean_layers": [_finite_or_str(m) for m in gate_mean_L],
+        "dead_gate_layers": dead,
+        "dead_gate_below": below,
+    }
 
 
 SUMMARY_COLUMNS = (

@@ -32,7 +32,7 @@ def head(i: int, h: int) -> str:
 
 # ---- the KV-eviction study (causal decoder with gates); model docstring for the gates --------
 CE_LOSS = "train/ce_loss"  # mean next-token (or masked-token) cross-entropy of the step (nats)
-BUDGET_LOSS = "train/budget_loss"  # lambda * mean gate (stabilitylab.model.budget_loss)
+BUDGET_LOSS = "train/budget_loss"  # the budget term at the step's lambda (model.budget_loss)
 GATE_MEAN = "gate/mean"  # mean gate over gated layers, heads and valid positions
 GATE_MEAN_LAYER = "gate/mean/layer_{i}"  # layer i's gate, read by layer i + 1
 GATE_LOW_LAYER = "gate/frac_below_0.05/layer_{i}"  # fraction of valid positions with g < 0.05

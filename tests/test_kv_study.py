@@ -52,7 +52,8 @@ def test_all_eight_cells_train_and_learn(eight_cells):
     for cell, s in summaries.items():
         d = run_dir / cell
         assert s["status"] == "stable" and s["steps"] == STEPS, cell
-        assert s["final_loss"] < s["initial_loss"] - 1.0, cell
+        # The preset's cosine decays the lr over the 30 steps (to 10% at the last): 6.4 -> 5.5.
+        assert s["final_loss"] < s["initial_loss"] - 0.8, cell
         assert s["final_val_ppl"] < 0.7 * s["first_val_ppl"], cell
         hist = read_state(d / "checkpoints" / "last")["history"]
         assert hist["val_steps"] == [0, 10, 20, STEPS - 1]
@@ -92,7 +93,8 @@ def _wide(df, tag_names):
 
 def test_loss_terms_and_gate_statistics_are_logged_apart(eight_cells):
     cfg, run_dir, _ = eight_cells
-    lam = cfg.train.budget_lambda
+    cell = cfg.arm_config("sig-g-nope")
+    one_gate_layer = 1 / (cell.train.budget_ref_layers - 1)  # per_gate: lambda/11 at any depth
     gated = load_runs([run_dir / "sig-g-nope"])
     found = set(gated.tag)
     per_layer = [tags.GATE_MEAN_LAYER, tags.GATE_LOW_LAYER, tags.GATE_HIGH_LAYER]
@@ -106,7 +108,11 @@ def test_loss_terms_and_gate_statistics_are_logged_apart(eight_cells):
     w = _wide(gated, [tags.LOSS, tags.CE_LOSS, tags.BUDGET_LOSS, tags.GATE_MEAN])
     assert len(w) == STEPS // cfg.telemetry.log_every
     np.testing.assert_allclose(w[tags.LOSS], w[tags.CE_LOSS] + w[tags.BUDGET_LOSS], rtol=1e-6)
-    np.testing.assert_allclose(w[tags.BUDGET_LOSS], lam * w[tags.GATE_MEAN], rtol=1e-4)
+    lam = np.array([build.budget_lambda_at(cell, int(step)) for step in w.index])
+    assert lam[0] == 0.0 and w[tags.BUDGET_LOSS].iloc[0] == 0.0  # the ramp starts at 0
+    np.testing.assert_allclose(
+        w[tags.BUDGET_LOSS], lam * one_gate_layer * w[tags.GATE_MEAN], rtol=1e-4
+    )
     assert (
         w[tags.GATE_MEAN].iloc[-1] < w[tags.GATE_MEAN].iloc[0] < 0.9934
     )  # sigmoid(5), pushed down
@@ -206,8 +212,9 @@ def test_the_step_loss_is_the_global_mean_ce_plus_lambda_mean_gate():
         g = gate_mean(t.raw.gates, lengths_B)
         stats = gate_stats_LBT(t.raw.gates, lengths_B)
     numbers = read_numbers(train_step(t, step, 1e-3, cell.train.clip_grad, tel))
-    assert numbers.terms_2 == pytest.approx([ce.item(), 0.03 * g.item()], rel=1e-5)
-    assert numbers.loss == pytest.approx(ce.item() + 0.03 * g.item(), rel=1e-6)
+    lam = 0.03 / 11  # the full lambda (no ramp passed), per_gate with one gate layer
+    assert numbers.terms_2 == pytest.approx([ce.item(), lam * g.item()], rel=1e-5)
+    assert numbers.loss == pytest.approx(ce.item() + lam * g.item(), rel=1e-6)
     want_3L = torch.stack([stats["mean_L"], stats["frac_low_L"], stats["frac_high_L"]])
     got_3L = torch.tensor(numbers.gate_3L, dtype=torch.float64)
     torch.testing.assert_close(got_3L, want_3L, rtol=1e-6, atol=1e-7)
@@ -284,7 +291,8 @@ def test_the_script_help_lists_presets_and_cells():
     text = " ".join(proc.stdout.replace("\u2502", " ").split())
     for name in ("tiny", "reduced", "paper"):
         assert f"{name} {C.preset_summary(name)}" in text
-    assert "--cells [{" + ",".join(C.CELLS) + "}" in text
+    assert "--cells [{" + ",".join(C.CELLS) + "," in text  # the choices wrap after the 8
+    assert ",".join(C.FT_CELLS) + "} [...]]" in text
     assert "(default: 150)" in text  # tiny's steps: the chosen preset's values
 
 

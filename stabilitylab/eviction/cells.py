@@ -1,6 +1,6 @@
 """Trained cells of the KV-eviction study, loaded back for evaluation.
 
-    cells = load_cells(Path("runs/kv_tiny"), expect=cfg)      # {cell: TrainedCell}, CELLS order
+    cells = load_cells(Path("runs/kv_tiny"), expect=cfg)      # {cell: TrainedCell}, ALL_CELLS order
     val = eval_set(shards, Split.VAL, context_len=64, vocab=cells["sm-rope"].vocab)
 
 A cell is ``<run dir>/<cell>/`` as the trainer leaves it (``stabilitylab.runs``): config.json (the
@@ -27,14 +27,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stabilitylab.config import CELLS, SECTIONS, Config, ConfigError, cell_settings, from_dict
+from stabilitylab.config import (
+    ALL_CELLS,
+    SECTIONS,
+    Config,
+    ConfigError,
+    backbone_of,
+    cell_settings,
+    from_dict,
+    is_finetune,
+)
 from stabilitylab.data.text import EvalWindows, TokenSource
 from stabilitylab.data.text.build import shards_for_files
 from stabilitylab.data.text.shards import VOCAB_SIZE, open_shards
 from stabilitylab.eviction.protocol import EvalSet, Split
 from stabilitylab.model import Transformer
 from stabilitylab.train import checkpoint
-from stabilitylab.train.resume import FREE_KEYS, FREE_PREFIXES, finished, flatten
+from stabilitylab.train.resume import FREE_KEYS, FREE_PREFIXES, finished, flatten, with_defaults
 from stabilitylab.train.task import CompactVocab
 
 UNSHARED_KEYS = tuple(k for k in FREE_KEYS if k != "train.steps")
@@ -44,6 +53,9 @@ CPU_BACKENDS = {"softmax": "softmax-reference", "sigmoid": "sigmoid-reference"}
 OWNED_KEYS = ("arm", "backend", "model.gates", "model.position")
 """Keys each cell sets for itself (its attention kind is its backend); every other training key
 must agree between the cells of one study."""
+FINETUNE_KEYS = ("train.steps", "train.warmup_steps", "train.init_from")
+"""Keys an -ft cell sets for itself besides ``OWNED_KEYS`` (``TrainConfig.finetune``: its own
+length and warmup, its backbone's directory)."""
 RESOLVED_EXTRAS = {"arm", "backend", "mixed_precision"}
 """Top-level keys config.json adds to the config (``runs.resolved_config``)."""
 
@@ -81,8 +93,9 @@ class TrainedCell:
 
 
 def dense_backbone(cell: str) -> str:
-    """The dense cell a gated cell is compared with: ``sig-g-rope`` -> ``sig-rope``."""
-    return cell.replace("-g-", "-") if cell_settings(cell)[1] else cell
+    """The dense cell a gated cell is compared with: ``sig-g-rope`` (and the fine-tune control
+    ``sig-g-rope-ft``, which started from it) -> ``sig-rope``."""
+    return backbone_of(cell)
 
 
 # ---- reading one cell -------------------------------------------------------------------------
@@ -177,24 +190,32 @@ def load_cell(cell_dir: Path, device: str | torch.device = "cpu") -> TrainedCell
 # ---- several cells ----------------------------------------------------------------------------
 
 
-def _shared_keys(resolved: dict) -> dict:
-    """The training keys of a config.json every cell of a study must share."""
-    flat = flatten(resolved)
+def _shared_keys(resolved: dict, cell: str) -> dict:
+    """The training keys of a config.json every cell of a study must share (keys it lacks, from
+    before they existed, at their defaults); an -ft cell's ``FINETUNE_KEYS`` are its own."""
+    flat = with_defaults(flatten(resolved))
+    own = OWNED_KEYS + (FINETUNE_KEYS if is_finetune(cell) else ())
     return {
         k: v
         for k, v in flat.items()
-        if k not in OWNED_KEYS and k not in UNSHARED_KEYS and not k.startswith(FREE_PREFIXES)
+        if k not in own and k not in UNSHARED_KEYS and not k.startswith(FREE_PREFIXES)
     }
 
 
+def _compared(key: str, cell: str) -> bool:
+    """Whether ``cell``'s value of ``key`` takes part in the shared-settings check."""
+    return not (is_finetune(cell) and key in FINETUNE_KEYS)
+
+
 def check_shared(resolved: dict[str, dict]) -> None:
-    """All cells agree on every key but their own (``OWNED_KEYS``) and the free ones (what is
-    logged, how they are evaluated); the error names each differing key and its values."""
-    shared = {cell: _shared_keys(r) for cell, r in resolved.items()}
+    """All cells agree on every key but their own (``OWNED_KEYS``, and an -ft cell's
+    ``FINETUNE_KEYS``) and the free ones (what is logged, how they are evaluated); the error
+    names each differing key and its values."""
+    shared = {cell: _shared_keys(r, cell) for cell, r in resolved.items()}
     keys = sorted(set().union(*shared.values()))
     diffs = []
     for key in keys:
-        values = {cell: s.get(key, "<absent>") for cell, s in shared.items()}
+        values = {c: s.get(key, "<absent>") for c, s in shared.items() if _compared(key, c)}
         if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
             diffs.append(f"{key}: " + ", ".join(f"{c}={v!r}" for c, v in values.items()))
     if diffs:
@@ -224,8 +245,9 @@ def check_expected(resolved: dict[str, dict], expect: Config) -> None:
 
 
 def present_cells(run_dir: Path) -> list[str]:
-    """Cells with a config.json under ``run_dir``, in ``CELLS`` order."""
-    return [c for c in CELLS if (run_dir / c / "config.json").is_file()]
+    """Cells with a config.json under ``run_dir``, in ``ALL_CELLS`` order (the paper's 8, then
+    the -ft cells)."""
+    return [c for c in ALL_CELLS if (run_dir / c / "config.json").is_file()]
 
 
 def load_cells(
@@ -235,17 +257,20 @@ def load_cells(
     *,
     expect: Config | None = None,
 ) -> dict[str, TrainedCell]:
-    """The trained cells of one run dir (all present ones when ``cells`` is None), in ``CELLS``
-    order. Every check reads only JSON, so a bad request fails before any weights load."""
+    """The trained cells of one run dir (all present ones when ``cells`` is None), in
+    ``ALL_CELLS`` order (an -ft cell loads as a gated cell). Every check reads only JSON, so a bad
+    request fails before any weights load."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise StudyError(f"{run_dir}: no such run dir; train the cells first")
-    unknown = [c for c in cells or () if c not in CELLS]
+    unknown = [c for c in cells or () if c not in ALL_CELLS]
     if unknown:
-        raise StudyError(f"unknown cell(s) {unknown}; choose from {list(CELLS)}")
-    names = [c for c in CELLS if c in cells] if cells is not None else present_cells(run_dir)
+        raise StudyError(f"unknown cell(s) {unknown}; choose from {list(ALL_CELLS)}")
+    names = [c for c in ALL_CELLS if c in cells] if cells is not None else present_cells(run_dir)
     if not names:
-        raise StudyError(f"{run_dir}: no trained cell (none of {list(CELLS)} has a config.json)")
+        raise StudyError(
+            f"{run_dir}: no trained cell (none of {list(ALL_CELLS)} has a config.json)"
+        )
     missing = [c for c in names if not (run_dir / c).is_dir()]
     if missing:
         raise StudyError(

@@ -23,19 +23,20 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from stabilitylab.config import ConfigError
+from stabilitylab.config import ConfigError, cell_settings
 from stabilitylab.eviction.cells import dense_backbone
 
 CHILD = "import sys; from stabilitylab.cli import kv_study_main; sys.exit(kv_study_main())"
 
 
 def cell_groups(cells: Sequence[str]) -> list[list[str]]:
-    """The cells in pairs (dense backbone first, its gated cell second), in ``cells``' order of
-    first appearance; a cell without its partner is a group of one."""
+    """The cells in pairs (dense backbone first, its gated cell second, then its -ft cell, which
+    starts from the backbone's weights and so trains after it in the same process), in
+    ``cells``' order of first appearance; a cell without its partner is a group of one."""
     groups: dict[str, list[str]] = {}
     for cell in cells:
         groups.setdefault(dense_backbone(cell), []).append(cell)
-    return [sorted(g, key=lambda c: "-g-" in c) for g in groups.values()]
+    return [sorted(g, key=lambda c: cell_settings(c)[1]) for g in groups.values()]
 
 
 def child_argv(argv: Sequence[str], group: Sequence[str], out_dir: Path) -> list[str]:

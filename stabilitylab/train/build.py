@@ -9,6 +9,7 @@ none is set (a plain ``python`` run): auto = bf16 autocast on CUDA, fp32 on CPU.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 from stabilitylab.config import Config, ConfigError
-from stabilitylab.model import HEAD_ROW_MULTIPLE, Transformer
+from stabilitylab.model import HEAD_ROW_MULTIPLE, TokenGate, Transformer
 from stabilitylab.telemetry import trackers_for
 from stabilitylab.train.fast import FastForward
 
@@ -88,17 +89,48 @@ def weights_hash(model: torch.nn.Module) -> str:
 
 
 def lr_at(cfg: Config, step: int) -> float:
-    """Linear warmup to the peak lr over ``warmup_steps``, then constant (the paper's schedule)."""
-    peak = cfg.train.peak_lr
-    w = cfg.train.warmup_steps
-    return peak * min(1.0, (step + 1) / w) if w > 0 else peak
+    """The lr of ``step`` (0-based): linear warmup ``peak * (step + 1) / W`` over the first ``W =
+    warmup_steps`` steps, then with ``lr_decay=none`` the peak (the stress paper's schedule), with
+    ``cosine`` ``floor + (peak - floor) * (1 + cos(pi * p)) / 2``, ``p = (step - W) / (S - 1 -
+    W)`` clipped to [0, 1], ``floor = min_lr_ratio * peak``, ``S = train.steps``: the peak at
+    step W, the floor at the last step S - 1."""
+    t = cfg.train
+    peak, w = t.peak_lr, t.warmup_steps
+    if step < w:
+        return peak * (step + 1) / w
+    if t.lr_decay == "none":
+        return peak
+    p = min(1.0, max(0.0, (step - w) / max(1, t.steps - 1 - w)))
+    floor = t.min_lr_ratio * peak
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+def budget_ramp_factor(cfg: Config, step: int) -> float:
+    """The share of lambda at ``step``: ``min(1, step / R)``, ``R = budget_ramp * train.steps``
+    (0 at step 0, 1 from step R on); 1 throughout when ``budget_ramp`` is 0."""
+    ramp_steps = cfg.train.budget_ramp * cfg.train.steps
+    return min(1.0, step / ramp_steps) if ramp_steps > 0 else 1.0
+
+
+def budget_lambda_at(cfg: Config, step: int) -> float:
+    """The budget term's lambda at ``step``: ``budget_lambda`` times the ramp's share. The step
+    passes it as a Python number to a term computed outside any compiled graph (the fast step
+    compiles the model's forward only), so a new value each step recompiles nothing."""
+    return cfg.train.budget_lambda * budget_ramp_factor(cfg, step)
+
+
+def gate_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Every parameter of the model's gate modules (``TokenGate``: weight and bias)."""
+    return [p for m in model.modules() if isinstance(m, TokenGate) for p in m.parameters()]
 
 
 def make_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
-    # Weight decay on matrices and embeddings only; biases and LayerNorm gains are not decayed.
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    # Weight decay on matrices and embeddings only; biases and LayerNorm gains are not decayed,
+    # nor, with train.gate_weight_decay=False, any gate parameter.
     t = cfg.train
+    exempt = set() if t.gate_weight_decay else {id(p) for p in gate_parameters(model)}
+    decay = [p for p in model.parameters() if p.ndim >= 2 and id(p) not in exempt]
+    no_decay = [p for p in model.parameters() if p.ndim < 2 or id(p) in exempt]
     # fused: one kernel per step, and it honours ``found_inf`` (the update is skipped on the
     # device when a gradient is not finite; see stabilitylab.train.step).
     return torch.optim.AdamW(
@@ -130,7 +162,12 @@ class Trainee:
     task: str = "mlm"
     """``Config.task``: mlm (masked cells) or lm (next tokens, with the budget term when gated)."""
     budget_lambda: float = 0.0
-    """``train.budget_lambda``: weight of the mean gate in the loss (gated models)."""
+    """``train.budget_lambda``: the budget term's full lambda (gated models); the trainer passes
+    each step's ramped value (``budget_lambda_at``) to the step instead."""
+    budget_norm: str = "mean"
+    """``train.budget_norm``: mean or per_gate (``model.budget_loss``)."""
+    budget_ref_layers: int = 12
+    """``train.budget_ref_layers``: per_gate's reference depth."""
     fast: FastForward | None = None
     """``train.fast``: the compiled forward the step calls (``stabilitylab.train.fast``); None =
     the eager step. ``raw`` stays the plain module, which validation and the probes call."""
@@ -171,5 +208,7 @@ def prepare(cfg: Config, accelerator, model: torch.nn.Module, accum: int) -> Tra
         accum=accum,
         task=cfg.task,
         budget_lambda=cfg.train.budget_lambda,
+        budget_norm=cfg.train.budget_norm,
+        budget_ref_layers=cfg.train.budget_ref_layers,
         fast=fast,
     )

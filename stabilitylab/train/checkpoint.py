@@ -183,6 +183,12 @@ def _read_manifest(path: Path) -> dict:
     return manifest
 
 
+def read_manifest(path: Path) -> dict:
+    """The manifest of checkpoint ``path`` (step, world size, the resolved config), files not
+    checked: what a check before any work reads (``verify`` hashes every file)."""
+    return _read_manifest(path)
+
+
 def verify(path: Path) -> dict:
     """The manifest of checkpoint ``path``, after checking every file it lists."""
     manifest = _read_manifest(path)

@@ -39,7 +39,7 @@ from stabilitylab.telemetry import (
     missing_trackers,
     start_trackers,
 )
-from stabilitylab.train import build, checkpoint, resume
+from stabilitylab.train import build, checkpoint, resume, warmstart
 from stabilitylab.train.policy import History, Policy
 from stabilitylab.train.step import StepNumbers, read_numbers, train_step, validation_sums
 from stabilitylab.train.task import TaskData, cell_task, text_task
@@ -94,6 +94,7 @@ def check(cfg: Config, world: int, cuda: bool) -> None:
             )
     for arm in cfg.arms():
         cfg.arm_config(arm)  # a cell's own settings are checked too (e.g. rope's even head dim)
+    warmstart.check_sources(cfg)  # train.init_from and the -ft cells' backbones on disk
 
 
 def open_data(cfg: Config) -> TaskData:
@@ -157,6 +158,7 @@ class Arm:
             mean_L, low_L, high_L = numbers.gate_3L
             self.hist.last["gate_mean"] = sum(mean_L) / len(mean_L)
             self.hist.last["gate_frac_binary"] = (sum(low_L) + sum(high_L)) / len(mean_L)
+            self.hist.gate_mean_L = list(mean_L)
 
     def save(self, name: str, step: int, hist: History, extra: dict | None = None) -> None:
         self.tick(hist)
@@ -202,6 +204,7 @@ def _start(cfg: Config, arm: str, data: TaskData, state) -> tuple[resume.Start, 
 
 def _build_arm(cfg, arm, data: TaskData, accelerator, plan, backend, config) -> Arm:
     model = build.build_model(cfg, backend, data.vocab_size)
+    init = warmstart.load_init(model, cfg, arm) if plan.kind == "fresh" else None
     init_hash, n_params = build.weights_hash(model), count_parameters(model)
     accum = build.accumulation_steps(cfg, accelerator.num_processes)
     trainee = build.prepare(cfg, accelerator, model, accum)
@@ -229,6 +232,10 @@ def _build_arm(cfg, arm, data: TaskData, accelerator, plan, backend, config) -> 
     if plan.kind == "resume":
         changed = f" with changed config: {resume.describe(plan.changes)}" if plan.changes else ""
         a.say(f"resumed from {plan.checkpoint} at step {plan.step}{changed}")
+    if init is not None:
+        a.say(f"starts from the weights of {init['checkpoint']} (step {init['step']})")
+        if accelerator.is_main_process:
+            runs.add_provenance(d, init_from=init)
     return a
 
 
@@ -288,7 +295,8 @@ def _steps(a: Arm, batches, stopper: Stopper, progress: Progress) -> int:
     while step < cfg.train.steps:
         t0 = time.perf_counter()
         data = next(batches).to(device, non_blocking=True)
-        out = train_step(t, data, build.lr_at(cfg, step), cfg.train.clip_grad, a.tel)
+        lam = build.budget_lambda_at(cfg, step)
+        out = train_step(t, data, build.lr_at(cfg, step), cfg.train.clip_grad, a.tel, lam)
         if a.val_due(step):
             out.val_2 = validation_sums(t, a.val)
         numbers = read_numbers(out)
@@ -386,6 +394,13 @@ def _finish(a: Arm, step: int, interrupted: bool) -> dict:
         log_logits=bool(cfg.telemetry.logit_every),
         peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
     )
+    if cfg.model.gates:
+        summary.update(runs.dead_gates(a.hist.gate_mean_L, cfg.telemetry.dead_gate_below))
+        if summary["dead_gate_layers"]:
+            a.say(
+                f"dead gate layers {summary['dead_gate_layers']}: mean gate < "
+                f"{cfg.telemetry.dead_gate_below:g} at the last logged step"
+            )
     if accelerator.is_main_process:
         runs.write_summary(a.dir, **summary)
         fast = a.trainee.fast
@@ -429,6 +444,7 @@ def run(cfg: Config) -> dict[str, dict]:
     cuda = torch.cuda.is_available()
     check(cfg, PartialState(cpu=not cuda).num_processes, cuda)
     data = open_data(cfg)
+    warmstart.check_vocab(cfg, data.vocab_size)
     summaries = {}
     for arm in cfg.arms():
         summaries[arm], accelerator, stopped = _train_arm(cfg.arm_config(arm), arm, data)

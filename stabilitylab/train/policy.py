@@ -42,6 +42,8 @@ class History:
     last: dict[str, float] = field(default_factory=dict)
     """The last logged value of the next-token task's terms: ce_loss, budget_loss, gate_mean,
     gate_frac_binary (for the summary)."""
+    gate_mean_L: list[float] = field(default_factory=list)
+    """Gated models: each gate layer's mean gate at the last logged step (the dead-layer check)."""
 
     def append(self, step: int, loss: float, grad_norm: float, max_LH) -> None:
         self.steps.append(step)
@@ -70,6 +72,7 @@ class History:
             val_steps=self.val_steps[:n_val],
             val_loss=self.val_loss[:n_val],
             last=dict(self.last),
+            gate_mean_L=list(self.gate_mean_L),
         )
 
     def to_dict(self) -> dict:

@@ -15,11 +15,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from stabilitylab.config import Config
 from stabilitylab.train import checkpoint
 
 # Keys a resumed arm may change: they do not change what it trains (the arm's own backend is
@@ -27,7 +29,8 @@ from stabilitylab.train import checkpoint
 # picks which cells run; ``train.steps`` is how a run is extended; ``train.fast`` computes the
 # same step, rounded differently, so a run started before it existed, or with it off, resumes
 # under the presets' default, and the other way round; ``train.group_by_length`` groups the same
-# sequences of a step into other micro-batches; ``data.pad_to_multiple`` adds masked padding only).
+# sequences of a step into other micro-batches; ``data.pad_to_multiple`` adds masked padding only;
+# ``train.init_from`` is read at a fresh start only: a resumed arm loads its own checkpoint).
 FREE_KEYS = (
     "preset",
     "cells",
@@ -46,6 +49,7 @@ FREE_KEYS = (
     "train.fast",
     "train.group_by_length",
     "data.pad_to_multiple",
+    "train.init_from",
 )
 FREE_PREFIXES = ("telemetry.", "study.")  # what is logged; how the trained cells are evaluated
 
@@ -64,9 +68,18 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def with_defaults(flat: dict) -> dict:
+    """A flattened config with every ``Config`` key it lacks at its dataclass default: a config
+    saved before a key existed meant that default (the keys are added with the old behaviour as
+    their default), so a resume compares it as such, not as ``<absent>``."""
+    defaults = flatten(dataclasses.asdict(Config()))
+    return {**{k: v for k, v in defaults.items() if k not in flat}, **flat}
+
+
 def config_changes(saved: dict, current: dict) -> dict[str, list]:
-    """``{key: [saved value, current value]}`` for every training key that differs."""
-    old, new = flatten(saved), flatten(current)
+    """``{key: [saved value, current value]}`` for every training key that differs; a key that
+    one side lacks counts at its default (``with_defaults``)."""
+    old, new = with_defaults(flatten(saved)), with_defaults(flatten(current))
     changes = {}
     for key in sorted(old.keys() | new.keys()):
         if key in FREE_KEYS or key.startswith(FREE_PREFIXES):

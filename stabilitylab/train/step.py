@@ -4,9 +4,12 @@ The loss is the mean over every predicted token of the global batch (masked cell
 targets): each micro-batch's summed cross-entropy is scaled by ``world / n_predicted`` (DDP
 averages gradients over processes), so one process and N processes at the same global batch
 follow the same curve. A gated model (the KV-eviction study) adds the budget term
-``budget_lambda * mean gate``, the mean over gated layers, heads and every valid position of the
-global batch: each micro-batch's ``gate_mean`` times its valid positions, scaled by ``world /
-n_valid``. ``train/loss`` is the sum of the two terms; both are returned apart too.
+``lambda * mean gate`` (``model.budget_loss``: ``train.budget_norm`` says whether over the gate
+layers it is a mean or a sum over a reference depth), the mean over gated layers, heads and every
+valid position of the global batch: each micro-batch's term times its valid positions, scaled by
+``world / n_valid``. lambda is the step's (``build.budget_lambda_at``: the ramp), a Python number
+the step multiplies outside the compiled forward. ``train/loss`` is the sum of the two terms; both
+are returned apart too.
 
 Nothing in :func:`train_step` waits for the device (the fast path's chunked loss too: the
 number of labelled rows comes from the host's count). The update is skipped on the device when
@@ -106,10 +109,13 @@ def step_gate_sums(gates: list[torch.Tensor], lengths_B: torch.Tensor) -> GateSu
     return gate_sums(gates, lengths_B)
 
 
-def _lm_loss_and_backward(t: Trainee, data: StepBatch, counts_2: torch.Tensor, tel: StepTelemetry):
+def _lm_loss_and_backward(
+    t: Trainee, data: StepBatch, counts_2: torch.Tensor, tel: StepTelemetry, budget_lambda: float
+):
     """Next-token task: ``(sums_2, gate sums)``, ``sums_2`` = this process's summed CE and summed
-    budget term (``budget_lambda * gate_mean * valid positions`` per micro-batch); gradients of
-    their global means accumulated. Gate sums on logged steps of a gated model, else None."""
+    budget term (``budget_loss * valid positions`` per micro-batch, at ``budget_lambda``);
+    gradients of their global means accumulated. Gate sums on logged steps of a gated model, else
+    None."""
     want_gates = tel.logged(data.step)
     sums_2 = torch.zeros(2, device=counts_2.device)
     sums: GateSums | None = None
@@ -121,7 +127,8 @@ def _lm_loss_and_backward(t: Trainee, data: StepBatch, counts_2: torch.Tensor, t
             budget = torch.zeros((), device=counts_2.device)
             gates = t.raw.gates
             if gates:
-                budget = budget_loss(gates, b.lengths_B, t.budget_lambda) * b.lengths_B.sum()
+                norm = (t.budget_norm, t.budget_ref_layers)
+                budget = budget_loss(gates, b.lengths_B, budget_lambda, *norm) * b.lengths_B.sum()
                 loss = loss + budget * (t.world / counts_2[1])
                 if want_gates:
                     part = step_gate_sums(gates, b.lengths_B)
@@ -165,9 +172,16 @@ def validation_sums(t: Trainee, batches: list[Batch]) -> torch.Tensor:
 
 
 def train_step(
-    t: Trainee, data: StepBatch, lr: float, clip_grad: float | None, tel: StepTelemetry
+    t: Trainee,
+    data: StepBatch,
+    lr: float,
+    clip_grad: float | None,
+    tel: StepTelemetry,
+    budget_lambda: float | None = None,
 ) -> StepOut:
-    """One update from ``data`` (already on the device); returns the step's device numbers."""
+    """One update from ``data`` (already on the device); returns the step's device numbers.
+    ``budget_lambda``: this step's lambda of a gated model's budget term (the trainer passes the
+    ramped value); None = ``t.budget_lambda``, the full one."""
     counts_2 = data.counts_2
     if t.world > 1:
         counts_2 = t.accelerator.reduce(counts_2, reduction="sum")
@@ -178,7 +192,8 @@ def train_step(
         tel.logit.attach(t.raw)
     terms_2 = gate_3L = None
     if t.task == "lm":
-        sums_2, sums = _lm_loss_and_backward(t, data, counts_2, tel)
+        lam = t.budget_lambda if budget_lambda is None else budget_lambda
+        sums_2, sums = _lm_loss_and_backward(t, data, counts_2, tel, lam)
         sums_2 = t.accelerator.reduce(sums_2, reduction="sum")
         terms_2 = sums_2 / counts_2
         loss = terms_2.sum()
