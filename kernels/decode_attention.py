@@ -475,13 +475,15 @@ def decode_attention(
     scale: float | None = None,
     num_splits: int | None = None,
     out_BHD: torch.Tensor | None = None,
+    check_counts: bool = True,
 ) -> torch.Tensor:
     """``out_BHD`` (q's dtype) of each row's query over its live entries; see the module
     docstring for formula and layout. ``kind``: softmax | sigmoid; ``sigmoid_bias`` (sigmoid
     only): b, a float or one per sequence (B,); ``key_bias_PS``: each entry's key bias;
     ``score_PS``: when given, each entry's weight this step is added to it in place;
     ``num_splits``: split-K programs per row (None: ``split_plan`` picks); ``out_BHD``: write
-    the output there (a static buffer under a CUDA graph)."""
+    the output there (a static buffer under a CUDA graph); ``check_counts=False`` skips the
+    counts' range check (a device read) for a caller that keeps them in range itself."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     _check_pool(q_BHD, k_pages_PSD, v_pages_PSD, block_table_BHM, count_BH)
@@ -499,7 +501,8 @@ def decode_attention(
     elif out_BHD.shape != q_BHD.shape or out_BHD.dtype != q_BHD.dtype or out_BHD.stride(2) != 1:
         raise ValueError(f"out_BHD must be a {tuple(q_BHD.shape)} {q_BHD.dtype} tensor")
     _check_device(q_BHD)
-    _check_counts(count_BH, block_table_BHM.shape[2] * k_pages_PSD.shape[1])
+    if check_counts:
+        _check_counts(count_BH, block_table_BHM.shape[2] * k_pages_PSD.shape[1])
     scale = 1.0 / math.sqrt(q_BHD.shape[2]) if scale is None else float(scale)
     return _launch(
         q_BHD, k_pages_PSD, v_pages_PSD, block_table_BHM, count_BH, key_bias_PS, bias_B,
