@@ -230,8 +230,12 @@ class DecodeEngine:
     def step(self, tokens_B, pos_B, active_B, observer=None, index: int = 0) -> torch.Tensor:
         """One decode step: ``logits_BV`` of each row's token ``tokens_B`` at position
         ``pos_B``; rows with ``active_B`` False change nothing. On CUDA the logits are the
-        graph's static buffer: read them before the next step."""
-        with inference(self.model):
+        graph's static buffer: read them before the next step. The model must be in eval
+        mode (``teacher_forced`` puts it there; a per-step ``model.eval()`` would cost host
+        time every step)."""
+        if self.model.training:
+            raise ValueError("the engine steps a model in eval mode; call model.eval() first")
+        with torch.no_grad():
             if self.graph is not None:
                 logits_BV = self.graph(tokens_B, pos_B, active_B)
             else:

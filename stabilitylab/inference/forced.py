@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from stabilitylab.inference.engine import DecodeEngine, EngineOutput
+from stabilitylab.model import inference
 
 
 def _per_sequence(x, B: int, device, name: str) -> torch.Tensor:
@@ -48,6 +49,19 @@ def pad_rows(tokens_BS, prefill_B, lengths_B, keep_BL, rows: int):
     return tokens_BS, prefill_B, lengths_B, keep_BL
 
 
+def _decode_window(engine, tokens_BS, prefill_B, window_B, nll_BW, observer) -> None:
+    """The decode steps, each row's NLL into ``nll_BW`` (NaN once its window has ended)."""
+    S = tokens_BS.shape[1]
+    for w in range(nll_BW.shape[1]):
+        pos_B = prefill_B + w
+        active_B = w < window_B
+        token_B = tokens_BS.gather(1, pos_B.clamp(max=S - 1)[:, None])[:, 0]
+        target_B = tokens_BS.gather(1, (pos_B + 1).clamp(max=S - 1)[:, None])
+        logits_BV = engine.step(token_B, pos_B, active_B, observer, w)
+        logp_BV = torch.log_softmax(logits_BV.to(torch.float64), dim=-1)
+        nll_BW[:, w] = torch.where(active_B, -logp_BV.gather(1, target_B)[:, 0], float("nan"))
+
+
 def teacher_forced(engine: DecodeEngine, tokens_BS, prefill, lengths_B, keep_BL, observer):
     """``DecodeEngine.teacher_forced``."""
     dev = engine.device
@@ -66,14 +80,8 @@ def teacher_forced(engine: DecodeEngine, tokens_BS, prefill, lengths_B, keep_BL,
     engine.prefill(tokens_BS[:, :P], prefill_B, lengths_B - 1, keep_BL, observer)
     W = int(window_B.max())
     nll_BW = torch.full((engine.batch, W), float("nan"), dtype=torch.float64, device=dev)
-    for w in range(W):
-        pos_B = prefill_B + w
-        active_B = w < window_B
-        token_B = tokens_BS.gather(1, pos_B.clamp(max=S - 1)[:, None])[:, 0]
-        target_B = tokens_BS.gather(1, (pos_B + 1).clamp(max=S - 1)[:, None])
-        logits_BV = engine.step(token_B, pos_B, active_B, observer, w)
-        logp_BV = torch.log_softmax(logits_BV.to(torch.float64), dim=-1)
-        nll_BW[:, w] = torch.where(active_B, -logp_BV.gather(1, target_B)[:, 0], float("nan"))
+    with inference(engine.model):
+        _decode_window(engine, tokens_BS, prefill_B, window_B, nll_BW, observer)
     engine.check()
     live_BL = torch.stack([c.count_BH[:B].sum(-1) for c in engine.caches], dim=1).long()
     live_L = live_BL.sum(0).tolist()
