@@ -356,7 +356,7 @@ def _merge(m_part, l_part, acc, out, table, count, z, score, splits, chunk, soft
         m_part, l_part, acc, out, table, count, z, score,
         table.stride(0), table.stride(1), count.stride(0), count.stride(1),
         out.stride(0), out.stride(1), H, chunk, splits,
-        HEAD_DIM=D, S_POW2=triton.next_power_of_2(splits), PAGE=P,
+        HEAD_DIM=D, S_POW2=max(2, triton.next_power_of_2(splits)), PAGE=P,
         BLOCK_N=block.get("BLOCK_N", INTERPRETER_BLOCK_N), SOFTMAX=softmax,
         SCORES=scores and softmax, num_warps=4,
     )  # fmt: skip
