@@ -94,5 +94,5 @@ def test_the_engine_evaluation_keeps_the_protocol_guards(seed):
     with pytest.raises(ValueError, match="fingerprints differ"):
         evaluate_selected_engine(study_engine(other, selection.tau, 2, DECODE), inputs.test,
                                  selection)  # fmt: skip
-    with pytest.raises(ValueError, match="exceeds the engine's 2 rows"):
+    with pytest.raises(ValueError, match="a batch of 3 windows exceeds the engine's 2 rows"):
         evaluate_engine(study_engine(model, 0.0, 2, DECODE), inputs.test, DECODE, batch_size=3)

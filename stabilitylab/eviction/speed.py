@@ -102,8 +102,11 @@ def run_kinds(model, selection, inputs: StudyInputs, path: str):
         study_engine,
     )
 
-    e_dense = study_engine(model, 0.0, inputs.batch_size, inputs.decode)
-    e_tau = study_engine(model, selection.tau, inputs.batch_size, selection.decode)
+    # As many rows as the largest batch of test windows: no padded row steps for nothing.
+    n_windows = len(inputs.test.indices(inputs.decode, inputs.test_windows))
+    rows = max(1, min(inputs.batch_size, n_windows))
+    e_dense = study_engine(model, 0.0, rows, inputs.decode)
+    e_tau = study_engine(model, selection.tau, rows, selection.decode)
 
     def dense(**over):
         return evaluate_engine(e_dense, inputs.test, inputs.decode, **{**kw, **over})

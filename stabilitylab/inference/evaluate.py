@@ -67,9 +67,10 @@ def _run(engine, evalset, decode, indices, batch_size, keep_NL, progress) -> Eva
     )  # fmt: skip
 
 
-def _check_engine(engine: DecodeEngine, decode: DecodeSplit, batch_size: int) -> None:
-    if batch_size > engine.batch:
-        raise ValueError(f"batch_size {batch_size} exceeds the engine's {engine.batch} rows")
+def _check_engine(engine: DecodeEngine, decode: DecodeSplit, batch: int) -> None:
+    """``batch``: the largest batch of windows the evaluation will step."""
+    if batch > engine.batch:
+        raise ValueError(f"a batch of {batch} windows exceeds the engine's {engine.batch} rows")
     room = engine.caches[0].table_BHM.shape[2] * engine.caches[0].page_size
     if decode.n_inputs > min(room, engine.max_position):
         raise ValueError(
@@ -96,8 +97,8 @@ def evaluate_engine(
             f"{policy.name} on the test split: test runs at the tau* frozen on validation; "
             "use evaluate_selected_engine"
         )
-    _check_engine(engine, decode, batch_size)
     indices = windows_of(evalset, decode, max_windows)
+    _check_engine(engine, decode, min(batch_size, len(indices)))
     return _run(engine, evalset, decode, indices, batch_size, keep_NL, progress)
 
 
@@ -121,13 +122,14 @@ def evaluate_selected_engine(
     if model_fingerprint(engine.model) != selection.fingerprint:
         raise ValueError("this tau* was selected on another model (fingerprints differ)")
     decode = selection.decode
-    _check_engine(engine, decode, batch_size)
     indices = windows_of(test_set, decode, max_windows)
+    _check_engine(engine, decode, min(batch_size, len(indices)))
     return _run(engine, test_set, decode, indices, batch_size, None, progress)
 
 
 def study_engine(model, tau: float, batch: int, decode: DecodeSplit, **kw) -> DecodeEngine:
-    """An engine for the study's windows: ``batch`` rows of ``decode.n_inputs`` tokens."""
+    """An engine for the study's windows: ``batch`` rows (the evaluation's largest batch of
+    windows; a smaller one is padded) of ``decode.n_inputs`` tokens."""
     n = decode.n_inputs
     return DecodeEngine(
         model, batch=batch, max_entries=n, max_position=n, policy=GateThreshold(tau), **kw
