@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stabilitylab.inference import bench
+from stabilitylab.inference import bench, bench_steps
 from stabilitylab.inference.engine import DecodeEngine
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "bench"
@@ -52,12 +52,12 @@ def test_smoke_run_writes_every_table(script, tmp_path, capsys, one_thread):
 
 def test_the_eviction_pattern_is_drawn_to_the_target(one_thread):
     cfg = bench.smoke_config()
-    model = bench.random_model("smoke", cfg, 600)
+    model = bench_steps.random_model("smoke", cfg, 600)
     engine = DecodeEngine(model, batch=4, max_entries=520, attention="reference", page_size=8)
     gen = torch.Generator().manual_seed(0)
     for c in (0.0, 0.5, 0.9):
-        bench.fill(engine, 512, c, gen)
-        facts = bench.kv_facts(engine, 512)
+        bench_steps.fill(engine, 512, c, gen)
+        facts = bench_steps.kv_facts(engine, 512)
         assert abs(facts["achieved_compression"] - c) < 0.03
         for cache in engine.caches:
             assert (cache.held_BH == (cache.count_BH + 7) // 8).all()
@@ -75,8 +75,8 @@ def test_flex_anchor_computes_sdpa_with_the_key_bias(one_thread):
     k, v = torch.randn(2, 2, 9, 16, generator=gen), torch.randn(2, 2, 9, 16, generator=gen)
     kb = torch.rand(2, 1, 1, 9, generator=gen).log()
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=kb)
-    torch.testing.assert_close(bench.sdpa_attend(q, k, v, kb), want)
-    torch.testing.assert_close(bench.flex_attend_fn(torch.device("cpu"))(q, k, v, kb), want)
+    torch.testing.assert_close(bench_steps.sdpa_attend(q, k, v, kb), want)
+    torch.testing.assert_close(bench_steps.flex_attend_fn(torch.device("cpu"))(q, k, v, kb), want)
 
 
 def _rows(**kw):

@@ -10,7 +10,7 @@ Modules: ``paged`` (one layer's pages, free list, drops without copying the cach
 (one block: prefill through the training backend, a decode step over the pages), ``engine``
 (batched ragged decode, eviction, the static step), ``forced`` (the research protocol through
 the engine), ``graph`` (the step as a CUDA graph), ``evaluate`` (the study's evaluations through
-the engine, for the decode-speed table), ``bench`` (experiments/bench/bench_decode.py's logic).
+the engine, for the decode-speed table), ``bench`` and ``bench_steps`` (experiments/bench/bench_decode.py's logic).
 The attention kernel is ``stabilitylab.kernels.decode_attention``.
 """
 
