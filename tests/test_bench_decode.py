@@ -117,3 +117,15 @@ def test_bad_arguments_get_one_error_line(argv, match, capsys, tmp_path):
     assert bench.main([*smoke, *argv, "--out", str(tmp_path)]) == 2
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("error: ") and match in out[0]
+
+
+@pytest.mark.gpu
+def test_the_grid_runs_every_provider_on_the_gpu(tmp_path):
+    argv = ["--sizes", "smoke", "--contexts", "300", "--batches", "1", "3", "--steps", "3",
+            "--repeats", "2", "--flex-contexts", "300", "--out", str(tmp_path)]  # fmt: skip
+    assert bench.main(argv) == 0
+    df = pd.read_csv(tmp_path / "decode.csv")
+    assert set(df.provider) == {"engine", "sdpa", "flex"}
+    ran = df[df.note.isna() | (df.provider == "engine")]
+    assert (ran.step_ms > 0).all() and (ran.attn_ms > 0).all(), df
+    assert (df[df.provider == "engine"].note == "triton").all()

@@ -308,14 +308,42 @@ def test_the_engine_refuses_what_it_cannot_run(seed):
 # ---- GPU: bf16 through the kernel and the CUDA graph -------------------------------------------
 
 
+def to_bf16(model):
+    """Weights in bf16, the gates in float32 (``TokenGate`` computes in float32)."""
+    model = model.bfloat16()
+    for block in model.blocks:
+        if block.gate_out is not None:
+            block.gate_out.float()
+    return model
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["softmax", "sigmoid-triton"])
 def test_bf16_engine_on_the_gpu_tracks_the_float32_research_loop(seed, backend):
-    model = float32_decoder(seed, backend, d_model=128).cuda()
+    """The engine in bf16 (the kernel, the CUDA graph) against the float32 research loop."""
+    model = float32_decoder(seed, backend, d_model=128).cuda()  # 2 heads of 64
     tokens_BS = random_tokens(seed, B=4, S=31).cuda()
-    tau = evicting_tau(model, tokens_BS)
+    with torch.no_grad():
+        model(tokens_BS[:, :-1], torch.full((4,), 30, device="cuda"))
+    g = torch.cat([x.flatten() for x in model.gates]).sort().values
+    tau = float((g[len(g) // 2] + g[len(g) // 2 + 1]) / 2)
     ref = decode_nll(model, tokens_BS, 12, GateThreshold(tau))
-    out, _ = engine_run(model.bfloat16(), tokens_BS, 12, GateThreshold(tau))
+    out, _ = engine_run(to_bf16(model), tokens_BS, 12, GateThreshold(tau))
     assert (out.nll_BW - ref.nll_BW).abs().max().item() < BF16_NLL_ATOL
-    # The gate decides where its value is near tau: bf16 may flip those few entries.
-    assert (out.live_BL - ref.live_BL).abs().max().item() <= 2 * model.cfg.n_heads
+    # Gates near tau may fall the other side in bf16: at most 10% of a layer's entries.
+    assert ((out.live_BL - ref.live_BL).abs() <= 0.1 * out.written_B[:, None]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["tau", "h2o"])
+def test_the_cuda_graph_step_repeats_the_eager_step(seed, policy):
+    """The captured step is the eager step replayed: the same kernels, the same bits."""
+    model = to_bf16(float32_decoder(seed, "sigmoid-triton", d_model=128).cuda())
+    tokens_BS = random_tokens(seed, B=3, S=40).cuda()
+    lengths_B = torch.tensor([40, 33, 25], device="cuda")
+    keep_BL = torch.full((3, 3), 12) if policy == "h2o" else None
+    pol = H2O() if policy == "h2o" else GateThreshold(0.4)
+    runs = [engine_run(model, tokens_BS, 9, pol, keep_BL, lengths_B, cuda_graph=g)[0]
+            for g in (False, True)]  # fmt: skip
+    assert torch.equal(runs[0].nll_BW.nan_to_num(-1), runs[1].nll_BW.nan_to_num(-1))
+    assert torch.equal(runs[0].live_BL, runs[1].live_BL)
