@@ -117,6 +117,24 @@ def test_engine_equals_the_research_loop_in_float64(seed, backend, policy_name, 
         assert (out.live_BL < out.written_B[:, None]).any()
 
 
+VARIANTS = [("none", "rmsnorm", "both"), ("learned", "layernorm", "both"),
+            ("rope", "none", "logits"), ("rope", "rmsnorm", "values")]  # fmt: skip
+
+
+@pytest.mark.parametrize("position,qk_norm,injection", VARIANTS)
+def test_model_variants_equal_the_research_loop(seed, position, qk_norm, injection, one_thread):
+    """NoPE, learned positions, QK-LayerNorm, no QK-norm, the gate on logits or values only."""
+    model = tiny_decoder(seed, "sigmoid-reference", gates=True, position=position,
+                         qk_norm=qk_norm, gate_injection=injection)  # fmt: skip
+    tokens_BS = random_tokens(seed)
+    policy = GateThreshold(evicting_tau(model, tokens_BS))
+    recording = Recording(policy, model.cfg.n_layers)
+    ref = decode_nll(model, tokens_BS, 8, recording)
+    out, log = engine_run(model, tokens_BS, 8, policy)
+    torch.testing.assert_close(out.nll_BW, ref.nll_BW, rtol=0, atol=tolerance(model))
+    assert log == recording.log and (out.live_BL < out.written_B[:, None]).any()
+
+
 @pytest.mark.parametrize("policy_name", ["tau", "h2o"])
 def test_ragged_sequences_decode_as_they_would_alone(seed, policy_name, one_thread):
     """Different lengths and prefills in one batch: each sequence's NLL, live sets and reads
