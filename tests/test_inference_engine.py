@@ -191,6 +191,30 @@ def test_engine_in_float32_at_tau0_and_an_evicting_tau(seed, backend, attention,
         assert (out.live_BL == ref.live_BL).all()
 
 
+@pytest.mark.interpreter
+def test_h2o_through_the_kernel_accumulates_the_research_scores(seed, monkeypatch, one_thread):
+    """H2O in the engine on the Triton kernel's score side output (interpreter, float32,
+    softmax: the merge kernel's pass): the research loop's NLL and live sets, and every live
+    entry's accumulated score equal to the PyTorch path's. The scores differ by float32
+    rounding, so a near tie could flip a decision: not seen in 30 seeds."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = float32_decoder(seed, "softmax", gates=False)
+    tokens_BS = random_tokens(seed, B=2, S=13)
+    keep_BL = torch.tensor([[6, 5, 7], [4, 6, 5]])
+    ref = decode_nll(model, tokens_BS, 8, H2O(), keep_BL)
+    engines = {}
+    for impl in ("triton", "reference"):
+        engines[impl] = DecodeEngine(model, batch=2, max_entries=13, policy=H2O(), page_size=4,
+                                     attention=impl)  # fmt: skip
+        out = engines[impl].teacher_forced(tokens_BS, 8, keep_BL=keep_BL)
+        torch.testing.assert_close(out.nll_BW, ref.nll_BW, rtol=0, atol=FLOAT32_NLL_ATOL)
+    for kernel, torch_path in zip(engines["triton"].caches, engines["reference"].caches, strict=True):  # fmt: skip
+        (a, _), (b, _) = kernel.view(with_keys=False), torch_path.view(with_keys=False)
+        assert torch.equal(a.pos_BHN, b.pos_BHN)
+        torch.testing.assert_close(a.score_BHN, b.score_BHN, rtol=0, atol=1e-5)
+    assert (ref.live_BL == keep_BL * model.cfg.n_heads).all()
+
+
 # ---- the paged store ----------------------------------------------------------------------------
 
 
