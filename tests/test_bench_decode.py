@@ -108,6 +108,7 @@ def test_bars_are_ratios_of_this_run():
     "argv,match",
     [(["--compressions", "1.0"], "--compressions must lie in"),
      (["--steps", "0"], "must be >= 1"),
+     (["--run", "runs/no_such_study"], "no study/table2.csv"),
      ([], "no CUDA device")],
 )  # fmt: skip
 def test_bad_arguments_get_one_error_line(argv, match, capsys, tmp_path):

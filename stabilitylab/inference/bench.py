@@ -197,32 +197,46 @@ def check_config(cfg: BenchConfig) -> str | None:
     return None
 
 
+def grid_parts(cfg: BenchConfig, out) -> list[str]:
+    """The grid and its bars, written under ``out``; their markdown."""
+    df = run_grid(cfg)
+    df.to_csv(out / "decode.csv", index=False)
+    bar = bars(df)
+    bar.to_csv(out / "decode_bars.csv", index=False)
+    return ["# Decode: engine vs SDPA / Flex", "", markdown(df, TABLE_COLUMNS), "",
+            "## Bars", "", markdown(bar)]  # fmt: skip
+
+
 def main(argv=None) -> int:
+    """The command (``parse``). ``--run DIR`` alone times the trained cells only; with
+    ``--sizes`` (or ``--smoke``) the grid runs first."""
     from pathlib import Path
 
+    from stabilitylab.eviction.cells import StudyError
     from stabilitylab.runs import provenance, write_json
 
-    p, args = parse(argv)
+    _, args = parse(argv)
     cfg = config_from(args)
     if args.smoke:  # tiny models on a small shared CPU: one thread is several times faster
         torch.set_num_threads(1)
     problem = check_config(cfg)
+    if args.run and not (Path(args.run) / "study" / "table2.csv").is_file():
+        problem = problem or f"--run {args.run}: no study/table2.csv (write the study first)"
     if problem:
         print(f"error: {problem}")
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    df = run_grid(cfg)
-    df.to_csv(out / "decode.csv", index=False)
-    bar = bars(df)
-    bar.to_csv(out / "decode_bars.csv", index=False)
-    parts = ["# Decode: engine vs SDPA / Flex", "", markdown(df, TABLE_COLUMNS), "",
-             "## Bars", "", markdown(bar)]  # fmt: skip
+    parts = grid_parts(cfg, out) if not args.run or args.sizes or args.smoke else []
     if args.run:
-        cells = trained_cells(args.run, cfg.device, cfg.repeats)
+        try:
+            cells = trained_cells(args.run, cfg.device, cfg.repeats)
+        except (StudyError, ValueError, FileNotFoundError) as e:
+            print(f"error: {e}")
+            return 2
         cells.to_csv(out / "cells.csv", index=False)
         parts += ["", "## Trained cells at tau*", "", markdown(cells)]
-    (out / "decode.md").write_text("\n".join(parts) + "\n")
+    (out / "decode.md").write_text("\n".join(parts).lstrip() + "\n")
     write_json(out / "provenance.json", {**provenance(), "config": {k: str(v) for k, v in vars(cfg).items()}})  # fmt: skip
     print("\n".join(parts))
     return 0
