@@ -41,7 +41,7 @@ def windows_of(evalset: EvalSet, decode: DecodeSplit, max_windows: int | None) -
 
 
 def _run(engine, evalset, decode, indices, batch_size, keep_NL, progress) -> EvalResult:
-    nll_sum, n_targets, live, read, held = 0.0, 0, [], [], 0
+    nll, n_targets, live, read, held = [], 0, [], [], 0
     batches = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
     if progress:
         from tqdm.auto import tqdm
@@ -52,7 +52,7 @@ def _run(engine, evalset, decode, indices, batch_size, keep_NL, progress) -> Eva
         keep_BL = None if keep_NL is None else torch.from_numpy(keep_NL[start : start + len(idx)])
         out = engine.teacher_forced(evalset.tokens_BS(idx, decode), decode.prefill, keep_BL=keep_BL)
         start += len(idx)
-        nll_sum += float(out.nll_BW.sum())
+        nll.append(out.nll_BW.sum(1).double().cpu().numpy())
         n_targets += out.nll_BW.numel()
         live.append(out.live_BL.cpu().numpy())
         read.append(out.keys_read_BL.cpu().numpy())
@@ -61,7 +61,7 @@ def _run(engine, evalset, decode, indices, batch_size, keep_NL, progress) -> Eva
     return EvalResult(
         split=evalset.split, policy=engine.policy.name, fingerprint=model_fingerprint(model),
         decode=decode, n_heads=model.cfg.n_heads, window_indices=tuple(indices),
-        nll_sum=nll_sum, n_targets=n_targets, written_per_layer=model.cfg.n_heads * decode.n_inputs,
+        nll_N=np.concatenate(nll), n_targets=n_targets, written_per_layer=model.cfg.n_heads * decode.n_inputs,
         live_NL=np.concatenate(live), keys_read_NL=np.concatenate(read),
         bytes_per_entry=engine.caches[0].entry_bytes(), allocated_kv_bytes_L=held,
     )  # fmt: skip
