@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 from stabilitylab.config import ConfigError, parse
 from stabilitylab.data.source import DataError
@@ -46,16 +47,17 @@ EXIT_INTERRUPTED = 75
 def _input_errors() -> tuple[type[Exception], ...]:
     """Errors that mean bad input (config, data, checkpoint, resume), not a bug."""
     from stabilitylab.eviction.cells import StudyError
+    from stabilitylab.runlock import RunBusy
     from stabilitylab.train.checkpoint import CheckpointError
     from stabilitylab.train.resume import ResumeError
 
-    return (ConfigError, DataError, CheckpointError, ResumeError, StudyError)
+    return (ConfigError, DataError, CheckpointError, ResumeError, StudyError, RunBusy)
 
 
 @contextlib.contextmanager
 def cli_errors() -> Iterator[None]:
-    """Turn bad input (ConfigError, DataError, CheckpointError, ResumeError, StudyError) into
-    ``error: <message>`` and ``SystemExit(2)``.
+    """Turn bad input (ConfigError, DataError, CheckpointError, ResumeError, StudyError, and
+    RunBusy: the run is another process's) into ``error: <message>`` and ``SystemExit(2)``.
 
     A context manager and a decorator::
 
@@ -142,21 +144,35 @@ def kv_study_main(argv: list[str] | None = None) -> int:
             if study_md is not None:
                 print(f"study: {study_md}")
             return code
-        import torch
-        from accelerate import PartialState
+        from stabilitylab import runs
 
-        from stabilitylab.train import run
+        # The cells and the study folder stay this process's from the training to study.md.
+        with runs.hold([*(runs.arm_dir(cfg, c) for c in cfg.arms()), study_dir(cfg)]):
+            return _train_and_study(cfg)
+    return 0
 
-        main = PartialState(cpu=not torch.cuda.is_available()).is_main_process
-        summaries = run(cfg)
-        if any(s.get("interrupted_by_signal") for s in summaries.values()):
-            return EXIT_INTERRUPTED
-        if not main:
-            return 0
-        from stabilitylab.analysis.kv_study import study_report
 
-        paths = study_report(cfg, progress=True)
-        print(f"study: {paths['study.md']}")
+def study_dir(cfg) -> Path:
+    """Where the KV study writes (``study.out_dir``, default ``<out_dir>/<name>/study``)."""
+    return Path(cfg.study.out_dir or Path(cfg.out_dir) / cfg.name / "study")
+
+
+def _train_and_study(cfg) -> int:
+    import torch
+    from accelerate import PartialState
+
+    from stabilitylab.train import run
+
+    main = PartialState(cpu=not torch.cuda.is_available()).is_main_process
+    summaries = run(cfg)
+    if any(s.get("interrupted_by_signal") for s in summaries.values()):
+        return EXIT_INTERRUPTED
+    if not main:
+        return 0
+    from stabilitylab.analysis.kv_study import study_report
+
+    paths = study_report(cfg, progress=True)
+    print(f"study: {paths['study.md']}")
     return 0
 
 
