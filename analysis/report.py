@@ -17,7 +17,11 @@ precursor that fired on more than ``rates.FALSE_ALARM_MAX`` of the stable runs. 
 passes silently: an arm without an event file, or whose event files hold no scalar, keeps its
 row (status from summary.json, else ``no data``) with a note; an event file cut mid-record is
 named in report.md as well as in the printed warning; a missing tag leaves a panel empty with a
-note in the figure and in report.md. Bad paths print one line and exit with code 2.
+note in the figure and in report.md. Nor do arms that cannot be paired: when the arms of one
+run were trained with configs that differ beyond the arm (``settings.arm_differences``: one arm
+restarted alone with other values, ``--fresh=True --arm sigmoid --train.lr=...``), report.md says
+so under "Arms that differ" and an ``ArmsDifferWarning`` is printed. Bad paths print one line and
+exit with code 2.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from stabilitylab.analysis.events import (
     load_summary,
     read_found,
 )
+from stabilitylab.analysis.settings import arm_differences
 from stabilitylab.analysis.stats import SUMMARY_COLUMNS, arm_row
 
 REPORT_FILES = (
@@ -99,6 +104,33 @@ def build_tables(
     return summary, early
 
 
+class ArmsDifferWarning(UserWarning):
+    """The arms of one run were trained with configs that differ beyond the arm."""
+
+
+def arm_difference_notes(found: list[tuple[Path, str, str]], configs: dict) -> list[str]:
+    """One line per run (the folder that holds the arms) whose arms differ beyond the arm."""
+    by_run: dict[Path, dict[str, dict | None]] = {}
+    for d, run, arm in found:
+        by_run.setdefault(Path(d).parent, {})[arm] = configs.get((run, arm))
+    notes = []
+    for run_dir, arm_configs in by_run.items():
+        diff = arm_differences(arm_configs)
+        if not diff:
+            continue
+        keys = "; ".join(
+            f"{k}: " + ", ".join(f"{arm} {v!r}" for arm, v in values.items())
+            for k, values in diff.items()
+        )
+        notes.append(
+            f"`{run_dir}`: its arms were trained with different configs ({keys}), so comparing "
+            "them compares more than the arm. `--fresh=True` restarts only the arms the command "
+            "trains (with `--arm` one arm): rerun the others with the same values, or all arms "
+            "with `--fresh=True`"
+        )
+    return notes
+
+
 def data_notes(df: pd.DataFrame, found: list[tuple[Path, str, str]], cut: list[Path]) -> list[str]:
     """One line per arm without data and one for the event files cut mid-record."""
     notes = []
@@ -137,6 +169,9 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
         raise ValueError(f"no scalars in the event files under {', '.join(map(str, run_dirs))}")
     summaries = {(run, arm): load_summary(d) for d, run, arm in found}
     configs = {(run, arm): load_config(d) for d, run, arm in found}
+    differ = arm_difference_notes(found, configs)
+    for note in differ:
+        warnings.warn(note.replace("`", ""), ArmsDifferWarning, stacklevel=2)
 
     out = Path(out_dir) if out_dir is not None else Path(run_dirs[0]) / "report"
     out.mkdir(parents=True, exist_ok=True)
@@ -163,7 +198,7 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     summary.to_csv(paths["summary.csv"], index=False)
     early.to_csv(paths["early_warning.csv"], index=False)
     missing = data_notes(df, found, cut)
-    paths["report.md"].write_text(_markdown(summary, early, notes, found, missing, rates))
+    paths["report.md"].write_text(_markdown(summary, early, notes, found, missing, rates, differ))
     return paths
 
 
@@ -269,9 +304,11 @@ def _mechanism_markdown(summary: pd.DataFrame) -> list[str]:
     ]
 
 
-def _markdown(summary, early, notes, found, missing, rates=None) -> str:
+def _markdown(summary, early, notes, found, missing, rates=None, differ=()) -> str:
     lines = ["# Stability report", "", "Runs:"]
     lines += [f"- `{d}` (run `{run}`, arm `{arm}`)" for d, run, arm in found]
+    if differ:
+        lines += ["", "## Arms that differ", "", *[f"- {m}" for m in differ]]
     if missing:
         lines += ["", "## Missing or cut data", "", *[f"- {m}" for m in missing]]
     if rates is not None:

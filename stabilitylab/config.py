@@ -610,7 +610,8 @@ class Config:
     report: bool = True
     """Run the analysis report over the arms at the end."""
     fresh: bool = False
-    """Start over: delete the arm dirs of this run (events, summary, checkpoints) first."""
+    """Start over: delete the arm dirs this command trains (events, summary, checkpoints) first;
+    with --arm or --cells only those (the report flags arms of one run whose configs differ)."""
     trackers: list[Literal["wandb", "mlflow"]] = field(default_factory=list)
     """Trackers beside TensorBoard (always on), e.g. --trackers wandb; each must be installed."""
     num_workers: int | None = None

@@ -1,0 +1,52 @@
+"""A paired run's arms are compared only as far as they can be: ``--fresh=True --arm X`` restarts
+one arm, and when that leaves the arms of one run with different configs, the report says so
+(report.md's "Arms that differ" and an ``ArmsDifferWarning``) instead of pairing them silently."""
+
+import warnings
+
+import pytest
+
+from stabilitylab import config as C
+from stabilitylab.analysis.events import load_config
+from stabilitylab.analysis.report import ArmsDifferWarning, write_report
+from stabilitylab.analysis.settings import arm_differences
+from stabilitylab.train import run
+from tests.test_analysis import stable_curves, write_arm
+from tests.tiny_runs import TINY
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_the_report_names_the_keys_in_which_a_runs_arms_differ(tmp_path):
+    steps, loss, gn, logit = stable_curves(0, n=30)
+    write_arm(tmp_path / "pair" / "softmax", "softmax", steps, loss, gn, logit, lr=1e-3)
+    write_arm(tmp_path / "pair" / "sigmoid", "sigmoid", steps, loss, gn, logit, lr=3e-3)
+    with pytest.warns(ArmsDifferWarning, match=r"train\.lr: sigmoid 0\.003, softmax 0\.001"):
+        paths = write_report([tmp_path / "pair"])
+    section = paths["report.md"].read_text().split("## Arms that differ")[1].split("\n## ")[0]
+    assert f"`{tmp_path / 'pair'}`" in section and "train.lr" in section
+    assert "train.seed" not in section, "only the keys that differ"
+
+
+def test_arms_of_different_runs_may_differ_without_a_word(tmp_path):
+    steps, loss, gn, logit = stable_curves(0, n=30)
+    write_arm(tmp_path / "a" / "softmax", "softmax", steps, loss, gn, logit, lr=1e-3)
+    write_arm(tmp_path / "b" / "softmax", "softmax", steps, loss, gn, logit, lr=3e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = write_report([tmp_path / "a", tmp_path / "b"])
+    assert "Arms that differ" not in paths["report.md"].read_text()
+
+
+def test_a_fresh_restart_of_one_arm_with_other_values_is_flagged(tmp_path):
+    def cfg(*extra):
+        args = ["--preset", "smoke", f"--out_dir={tmp_path}", *TINY, "--train.steps=1", *extra]
+        return C.parse(args)
+
+    def differences():
+        return arm_differences({a: load_config(tmp_path / "smoke" / a) for a in C.ARMS})
+
+    run(cfg())
+    assert differences() == {}, "the arms of one command differ only in the arm"
+    run(cfg("--arm=sigmoid", "--fresh=True", "--train.lr=0.01"))
+    assert differences() == {"train.lr": {"softmax": 0.003, "sigmoid": 0.01}}
