@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from stabilitylab.eviction.cache import LayerCache
-from stabilitylab.eviction.policies import CachePolicy
+from stabilitylab.eviction.policies import CachePolicy, check_counts
 from stabilitylab.kernels.reference import default_scale, sigmoid_bias_B
 from stabilitylab.model import Transformer, apply_rope, gate_key_bias, inference, rope_cos_sin
 
@@ -281,6 +281,7 @@ def check_decode_args(model: Transformer, tokens_BS, prefill: int, keep_BL) -> N
     L = model.cfg.n_layers
     if tuple(keep_BL.shape) != (B, L):
         raise ValueError(f"keep_BL must have shape {(B, L)}, got {tuple(keep_BL.shape)}")
+    check_counts(keep_BL, "keep_BL")  # whole entries: the loop below casts to long
     if bool((keep_BL < 0).any()) or bool((keep_BL > S - 1).any()):
         b, layer = [int(i) for i in ((keep_BL < 0) | (keep_BL > S - 1)).nonzero()[0]]
         raise ValueError(

@@ -45,7 +45,7 @@ import torch
 
 from stabilitylab.data.text.windows import EvalWindows, TokenSource
 from stabilitylab.eviction.decode import check_decoder, decode_nll
-from stabilitylab.eviction.policies import CachePolicy, GateThreshold
+from stabilitylab.eviction.policies import CachePolicy, GateThreshold, check_counts
 from stabilitylab.model import Transformer
 
 TAU_GRID = (0.0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
@@ -255,9 +255,7 @@ def evaluate(
 
 
 def check_grid(grid) -> tuple[float, ...]:
-    taus = tuple(float(t) for t in grid)
-    for t in taus:
-        GateThreshold(t)  # names a tau outside [0, 1]
+    taus = tuple(GateThreshold(t).tau for t in grid)  # names a bool, NaN, or tau outside [0, 1]
     if 0.0 not in taus:
         raise ValueError(f"the tau grid must contain 0 (the model's own reference), got {taus}")
     if len(set(taus)) != len(taus):
@@ -416,6 +414,9 @@ class Budget:
     window_indices: tuple[int, ...]
     live_NL: np.ndarray
     source: str
+
+    def __post_init__(self):
+        check_counts(self.live_NL, "budget live_NL")  # whole entries: no NaN, no fraction
 
     def keep_per_head_NL(self, n_heads: int) -> np.ndarray:
         """Entries each head keeps: the matched total over ``n_heads`` (rounded down)."""
