@@ -195,7 +195,7 @@ def _kv_model(**shape) -> ModelConfig:
 
 
 # The fast step (train.fast) through the gated decoder: on the GPU its 100-step curves match the
-# eager step's within rounding (docs/BENCHMARKS.md, "The fast step in the KV cells"), and its step
+# eager step's within rounding (docs/BENCHMARKS.md, "The fast step in the trainer"), and its step
 # is 1.5-1.7x faster at the reduced shape, but it compiles for 50-60 s per cell. So kv_paper takes
 # it (5,722 steps a cell) and kv_reduced (800 steps: ~113 s fast vs ~90 s eager per cell, alone on
 # an H200) and kv_tiny (CPU) keep the eager step. --train.fast=True / False switches it; a
