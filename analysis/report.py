@@ -3,12 +3,13 @@
     python analysis/report.py runs/smoke            # paired run -> runs/smoke/report/
     python analysis/report.py runs/a/softmax runs/b --out /tmp/report
 
-Writes report.md, summary.csv (one row per arm), early_warning.csv, scalars.csv (every scalar,
-tidy: run, arm, step, tag, value), figure.png (loss / grad norm / layer-0 max logit, divergence
-marked) and heatmap.png (per-layer max logit over steps, one panel per arm). Each diverged arm
+Writes report.md (its headline first: what ran, and what held, each arm's outcome), summary.csv
+(one row per arm), early_warning.csv, scalars.csv (every scalar, tidy: run, arm, step, tag,
+value), figure.png (loss / grad norm / layer-0 max logit, divergence marked) and heatmap.png
+(per-layer max logit over steps, one panel per arm). Each diverged arm
 gets its failure mechanism (``mechanism``: logit growth, early transient, other, unknown), and
 report.md lists the early-transient failures apart from the rest. When the runs
-hold repeats of an arm (same arm and setting; seeds pool, see ``rates``), report.md opens with
+hold repeats of an arm (same arm and setting; seeds pool, see ``rates``), report.md gives
 outcome rates per arm (fraction diverged, 95% Wilson interval, divergence steps) and the early
 warning over the repeats (lead, false-alarm rate on stable runs), also as rates.csv and
 warning_rates.csv, with groups.png (the repeats pooled by group: loss, grad norm, max logit, an x
@@ -304,8 +305,46 @@ def _mechanism_markdown(summary: pd.DataFrame) -> list[str]:
     ]
 
 
+HEADLINE_ARMS = 4
+"""Up to this many arms, the headline names each one's outcome; beyond, it counts them."""
+
+
+def _outcome(row, with_run: bool) -> str:
+    """``softmax diverged at step 665 (logit growth)``, ``sigmoid stable``."""
+    who = f"{row.arm} (`{row.run}`)" if with_run else str(row.arm)
+    text = f"{who} {row.status}"
+    if row.status == "diverged" and not pd.isna(row.divergence_step):
+        text += f" at step {int(row.divergence_step)}"
+        if isinstance(row.mechanism, str):
+            text += f" ({row.mechanism})"
+    return text
+
+
+def headline(summary: pd.DataFrame) -> list[str]:
+    """The report's first lines: what ran (arms, runs, the last logged step) and what held (each
+    arm's outcome; counted per arm name beyond ``HEADLINE_ARMS`` arms)."""
+    runs = list(dict.fromkeys(summary["run"]))
+    n, last = len(summary), summary["last_step"].dropna()
+    named = ", ".join(f"`{r}`" for r in runs[:3]) + (", ..." if len(runs) > 3 else "")
+    span = "" if last.empty else f"{int(last.min())}" if last.min() == last.max() else f"{int(last.min())}-{int(last.max())}"  # fmt: skip
+    ran = (
+        f"**Ran:** {n} arm{'s' * (n != 1)} of {len(runs)} run{'s' * (len(runs) != 1)} ({named})"
+        + (f", logged to step {span}." if span else ".")
+    )
+    if n <= HEADLINE_ARMS:
+        held = "; ".join(_outcome(r, len(runs) > 1) for r in summary.itertuples(index=False))
+    else:
+        counts = summary.groupby(["arm", "status"], sort=False).size()
+        held = "; ".join(
+            f"{arm}: " + ", ".join(f"{k} {status}" for status, k in by.droplevel(0).items())
+            for arm, by in counts.groupby(level=0, sort=False)
+        )
+    return [ran, f"**Held:** {held}."]
+
+
 def _markdown(summary, early, notes, found, missing, rates=None, differ=()) -> str:
-    lines = ["# Stability report", "", "Runs:"]
+    ran, held = headline(summary)
+    lines = ["# Stability report", "", ran, "", held, "", "Runs:"]
     lines += [f"- `{d}` (run `{run}`, arm `{arm}`)" for d, run, arm in found]
     if differ:
         lines += ["", "## Arms that differ", "", *[f"- {m}" for m in differ]]

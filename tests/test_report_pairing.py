@@ -1,17 +1,19 @@
-"""A paired run's arms are compared only as far as they can be: ``--fresh=True --arm X`` restarts
-one arm, and when that leaves the arms of one run with different configs, the report says so
-(report.md's "Arms that differ" and an ``ArmsDifferWarning``) instead of pairing them silently."""
+"""What report.md says first: its headline (what ran, what held), and whether the arms of a run
+can be paired. ``--fresh=True --arm X`` restarts one arm; when that leaves the arms of one run with
+different configs, the report says so (report.md's "Arms that differ" and an
+``ArmsDifferWarning``) instead of pairing them silently."""
 
 import warnings
 
+import pandas as pd
 import pytest
 
 from stabilitylab import config as C
 from stabilitylab.analysis.events import load_config
-from stabilitylab.analysis.report import ArmsDifferWarning, write_report
+from stabilitylab.analysis.report import ArmsDifferWarning, headline, write_report
 from stabilitylab.analysis.settings import arm_differences
 from stabilitylab.train import run
-from tests.test_analysis import stable_curves, write_arm
+from tests.test_analysis import diverging_curves, stable_curves, write_arm
 from tests.tiny_runs import TINY
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,3 +52,34 @@ def test_a_fresh_restart_of_one_arm_with_other_values_is_flagged(tmp_path):
     assert differences() == {}, "the arms of one command differ only in the arm"
     run(cfg("--arm=sigmoid", "--fresh=True", "--train.lr=0.01"))
     assert differences() == {"train.lr": {"softmax": 0.003, "sigmoid": 0.01}}
+
+
+def test_the_report_opens_with_what_ran_and_what_held(tmp_path):
+    n, at = 120, 80
+    steps, loss, gn, logit = diverging_curves(0, at, n=n)
+    diverged = {"status": "diverged", "divergence_step": int(steps[at])}
+    write_arm(tmp_path / "pair" / "softmax", "softmax", steps, loss, gn, logit, summary=diverged)
+    s_steps, s_loss, s_gn, _ = stable_curves(1, n=n)
+    write_arm(tmp_path / "pair" / "sigmoid", "sigmoid", s_steps, s_loss, s_gn, summary={"status": "stable"})  # fmt: skip
+    lines = write_report([tmp_path / "pair"])["report.md"].read_text().splitlines()
+    assert lines[2] == f"**Ran:** 2 arms of 1 run (`pair`), logged to step {steps[-1]}."
+    assert (
+        lines[4]
+        == f"**Held:** sigmoid stable; softmax diverged at step {steps[at]} (logit growth)."
+    )
+
+
+def test_a_headline_over_many_arms_counts_outcomes_per_arm():
+    summary = pd.DataFrame(
+        {
+            "run": [f"r{i}" for i in range(6)],
+            "arm": ["softmax", "sigmoid"] * 3,
+            "status": ["diverged", "stable", "stable", "stable", "diverged", "stable"],
+            "divergence_step": pd.array([5, None, None, None, 9, None], dtype="Int64"),
+            "mechanism": ["other", None, None, None, "logit growth", None],
+            "last_step": pd.array([5, 99, 99, 99, 9, 99], dtype="Int64"),
+        }
+    )
+    ran, held = headline(summary)
+    assert ran == "**Ran:** 6 arms of 6 runs (`r0`, `r1`, `r2`, ...), logged to step 5-99."
+    assert held == "**Held:** softmax: 2 diverged, 1 stable; sigmoid: 3 stable."
