@@ -446,6 +446,54 @@ def test_max_logit_is_nan_where_a_score_is_nan(device):
             )
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter
+def test_an_inf_in_a_valid_position_gives_what_the_reference_gives(device):
+    """An inf in q (or k) makes its logits +-inf: the reference gives max|logit| = inf and, for
+    sigmoid, a finite output (sigmoid(+-inf) is 1 or 0). The kernels read padding as zeros, and
+    q . 0 = inf * 0 = NaN: before the fix, that NaN reached the max (NaN instead of inf) and the
+    sigmoid output of the inf row, whenever the last key tile held keys past L (padding, or a T
+    that is not a multiple of the tile). Now padding never reaches a result: the kernels agree
+    with the reference on which values are NaN / inf, and on the finite ones. Sigmoid (general
+    and dense forwards, causal or not), softmax and the standalone max."""
+    from stabilitylab.kernels import softmax_attention
+    from stabilitylab.kernels.reference import softmax_attention_reference
+
+    def pattern(x):
+        return x.isnan().to(torch.int8) + 2 * x.isinf().to(torch.int8)
+
+    def agree(got, want, what):
+        assert torch.equal(pattern(got), pattern(want)), f"{what}: {got.flatten()[:8]}"
+        finite = torch.isfinite(want)
+        err = (got.double()[finite] - want[finite]).abs().max().item()
+        assert err < 1e-2, f"{what}: max error {err}"
+
+    gen = _generator(device)
+    for case in ("odd", "full"):
+        T, lengths = SHAPES[device][case]
+        for inf_in in ("q", "k"):
+            (q, k, v), _, lengths_B = _inputs(2, 2, T, 128, lengths, torch.float16, device, gen)
+            (q, k) = (t.abs() for t in (q, k))  # one sign for every term: a logit is +inf, no NaN
+            (q if inf_in == "q" else k)[:, 1, 2, 0] = float("inf")
+            q64, k64, v64 = (t.double() for t in (q, k, v))
+            for causal in (False, True):
+                where = f"{case}, inf in {inf_in}, causal={causal}"
+                want_max = max_abs_logit_reference(q64, k64, lengths_B, causal=causal)
+                assert want_max[:, 1].isinf().all() and want_max[:, 0].isfinite().all()
+                out, mx = sigmoid_attention(
+                    q, k, v, lengths_B, return_max_logit=True, causal=causal
+                )
+                ref = sigmoid_attention_reference(q64, k64, v64, lengths_B, causal=causal)
+                agree(out, ref, f"sigmoid out, {where}")
+                agree(mx, want_max, f"sigmoid max, {where}")
+                out, mx = softmax_attention(
+                    q, k, v, lengths_B, return_max_logit=True, causal=causal
+                )
+                ref = softmax_attention_reference(q64, k64, v64, lengths_B, causal=causal)
+                agree(out, ref, f"softmax out, {where}")
+                agree(mx, want_max, f"softmax max, {where}")
+                agree(max_abs_logit(q, k, lengths_B, causal=causal), want_max, f"max, {where}")
+
+
 def _bad_inputs(device):
     q = torch.randn(2, 2, 8, 64, device=device)
     L = torch.tensor([8, 3], device=device)
