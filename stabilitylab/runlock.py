@@ -39,8 +39,8 @@ class RunBusy(Exception):
     """Another process holds the lock of a run directory; the message names it."""
 
 
-_held: dict[Path, list[int]] = {}
-"""Locks this process holds: lock file -> [fd, depth]."""
+_held: dict[Path, list] = {}
+"""Locks this process holds: lock file -> [fd, depth, folders made for it]."""
 
 
 def lock_path(d: str | Path) -> Path:
@@ -111,8 +111,13 @@ def acquire(d: str | Path) -> None:
     if path in _held:
         _held[path][1] += 1
         return
+    made = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = _open_locked(path, Path(d))
+    try:
+        fd = _open_locked(path, Path(d))
+    except RunBusy:
+        _remove_empty(made)
+        raise
     stale = holder(path)
     if stale:
         print(
@@ -123,7 +128,7 @@ def acquire(d: str | Path) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(_record()).encode(), 0)
     os.fsync(fd)
-    _held[path] = [fd, 1]
+    _held[path] = [fd, 1, made]
 
 
 def release(d: str | Path) -> None:
@@ -141,6 +146,17 @@ def release(d: str | Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     os.close(entry[0])  # closing the last fd drops the flock
+    _remove_empty(entry[2])
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """The folders a lock made, deepest first, where nothing else went into them: a run refused
+    before any work (bad data, a busy arm) leaves no empty <out_dir>/<name>/ behind."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (the run wrote there, or another process did): keep it
+            return
 
 
 @contextlib.contextmanager
