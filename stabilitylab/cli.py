@@ -79,16 +79,18 @@ def train_main(
     *,
     default_preset: str = "stress_8k",
     description: str = TRAIN_DESCRIPTION,
+    study: str = "stress",
 ) -> int:
     """Parse the config, train every arm (or cell), report: the paired stress run
-    (``experiments/stress_8k.py``) and, with another default preset, the KV-eviction study.
+    (``experiments/stress_8k.py``) and, with ``study="kv"``, the KV-eviction study's cells. Each
+    study's command takes its own presets and keys (``stabilitylab.study_cli``).
 
     Returns the exit code: 0 when every arm ran to its end (stable or diverged: both are
     results), ``EXIT_INTERRUPTED`` (75) when SIGTERM / SIGINT stopped it, 1 when no arm ran, 2
     for bad input or a GPU preset without CUDA.
     """
     with cli_errors():
-        cfg = parse(argv, default_preset=default_preset, description=description)
+        cfg = parse(argv, default_preset=default_preset, description=description, study=study)
         if not _device_ok(cfg):
             return USAGE_ERROR
         from stabilitylab.train import run  # after the checks: refuse at once, before heavy imports
@@ -120,7 +122,7 @@ def _device_ok(cfg) -> bool:
 def kv_main(argv: list[str] | None = None) -> int:
     """The KV-eviction study (``experiments/kv_eviction.py``): ``train_main`` with its presets'
     default (reduced) and description."""
-    return train_main(argv, default_preset="reduced", description=KV_DESCRIPTION)
+    return train_main(argv, default_preset="reduced", description=KV_DESCRIPTION, study="kv")
 
 
 def kv_study_main(argv: list[str] | None = None) -> int:
@@ -129,7 +131,7 @@ def kv_study_main(argv: list[str] | None = None) -> int:
     them and write ``<out_dir>/<name>/study/``. Exit codes as ``kv_main``: 0, 2 (bad input, one
     ``error:`` line), 75 (stopped by a signal: the study is not run; rerun to resume)."""
     with cli_errors():
-        cfg = parse(argv, default_preset="reduced", description=KV_STUDY_DESCRIPTION)
+        cfg = parse(argv, default_preset="reduced", description=KV_STUDY_DESCRIPTION, study="kv")
         if not _device_ok(cfg):
             return USAGE_ERROR
         if cfg.task != "lm":

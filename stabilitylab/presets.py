@@ -176,9 +176,9 @@ def stress_8k_hot() -> Config:
 
 # ---- the KV-eviction study: 8 cells of a causal decoder on text -------------------------------
 #
-# Source: ../shared/papers/sigmoid-attention-kv-eviction.txt (the paper) gives the model shape,
-# AdamW, QK-RMSNorm before RoPE, the gates and lambda = 0.03, 3 epochs of a 1B-token split and
-# context 512. It gives no optimizer numbers; those are the GPT-3 paper's 125M settings (Brown et
+# Source: the paper, "Sigmoid Attention as a Better Substrate for Learned KV Cache Eviction",
+# gives the model shape, AdamW, QK-RMSNorm before RoPE, the gates and lambda = 0.03, 3 epochs of
+# a 1B-token split and context 512. It gives no optimizer numbers; those are the GPT-3 paper's 125M settings (Brown et
 # al. 2020, Table 2.1 and Appendix B), which nanoGPT's GPT-2 (124M) reproduction also uses: peak
 # lr 6e-4, batch 0.5M tokens, betas (0.9, 0.95), eps 1e-8, weight decay 0.1, gradient clipping at
 # 1.0, linear warmup over 375M tokens. The lab's schedule has no decay after the warmup (GPT-3
