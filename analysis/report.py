@@ -170,6 +170,7 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
         raise ValueError(f"no scalars in the event files under {', '.join(map(str, run_dirs))}")
     summaries = {(run, arm): load_summary(d) for d, run, arm in found}
     configs = {(run, arm): load_config(d) for d, run, arm in found}
+    steps = [(s or {}).get("steps") for s in summaries.values()]
     differ = arm_difference_notes(found, configs)
     for note in differ:
         warnings.warn(note.replace("`", ""), ArmsDifferWarning, stacklevel=2)
@@ -199,7 +200,9 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     summary.to_csv(paths["summary.csv"], index=False)
     early.to_csv(paths["early_warning.csv"], index=False)
     missing = data_notes(df, found, cut)
-    paths["report.md"].write_text(_markdown(summary, early, notes, found, missing, rates, differ))
+    paths["report.md"].write_text(
+        _markdown(summary, early, notes, found, missing, rates, differ, steps)
+    )
     return paths
 
 
@@ -320,17 +323,30 @@ def _outcome(row, with_run: bool) -> str:
     return text
 
 
-def headline(summary: pd.DataFrame) -> list[str]:
-    """The report's first lines: what ran (arms, runs, the last logged step) and what held (each
-    arm's outcome; counted per arm name beyond ``HEADLINE_ARMS`` arms)."""
+def _span(values) -> str:
+    """``300`` or ``120-300``; "" for none."""
+    values = [int(v) for v in values if v is not None and not pd.isna(v)]
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+
+def headline(summary: pd.DataFrame, steps=()) -> list[str]:
+    """The report's first lines: what ran (arms, runs, their steps) and what held (each arm's
+    outcome; counted per arm name beyond ``HEADLINE_ARMS`` arms). ``steps``: each arm's steps
+    from summary.json; without them, the last logged step."""
     runs = list(dict.fromkeys(summary["run"]))
-    n, last = len(summary), summary["last_step"].dropna()
+    n = len(summary)
     named = ", ".join(f"`{r}`" for r in runs[:3]) + (", ..." if len(runs) > 3 else "")
-    span = "" if last.empty else f"{int(last.min())}" if last.min() == last.max() else f"{int(last.min())}-{int(last.max())}"  # fmt: skip
-    ran = (
-        f"**Ran:** {n} arm{'s' * (n != 1)} of {len(runs)} run{'s' * (len(runs) != 1)} ({named})"
-        + (f", logged to step {span}." if span else ".")
-    )
+    ran = f"**Ran:** {n} arm{'s' * (n != 1)} of {len(runs)} run{'s' * (len(runs) != 1)} ({named})"
+    if _span(steps):
+        every = sum(v is not None for v in steps) == n > 1 and "-" not in _span(steps)
+        ran += f", {_span(steps)} steps{' each' * every}."
+    elif _span(summary["last_step"]):
+        ran += f", logged to step {_span(summary['last_step'])}."
+    else:
+        ran += "."
     if n <= HEADLINE_ARMS:
         held = "; ".join(_outcome(r, len(runs) > 1) for r in summary.itertuples(index=False))
     else:
@@ -342,8 +358,8 @@ def headline(summary: pd.DataFrame) -> list[str]:
     return [ran, f"**Held:** {held}."]
 
 
-def _markdown(summary, early, notes, found, missing, rates=None, differ=()) -> str:
-    ran, held = headline(summary)
+def _markdown(summary, early, notes, found, missing, rates=None, differ=(), steps=()) -> str:
+    ran, held = headline(summary, steps)
     lines = ["# Stability report", "", ran, "", held, "", "Runs:"]
     lines += [f"- `{d}` (run `{run}`, arm `{arm}`)" for d, run, arm in found]
     if differ:

@@ -60,9 +60,9 @@ def test_the_report_opens_with_what_ran_and_what_held(tmp_path):
     diverged = {"status": "diverged", "divergence_step": int(steps[at])}
     write_arm(tmp_path / "pair" / "softmax", "softmax", steps, loss, gn, logit, summary=diverged)
     s_steps, s_loss, s_gn, _ = stable_curves(1, n=n)
-    write_arm(tmp_path / "pair" / "sigmoid", "sigmoid", s_steps, s_loss, s_gn, summary={"status": "stable"})  # fmt: skip
+    write_arm(tmp_path / "pair" / "sigmoid", "sigmoid", s_steps, s_loss, s_gn, summary={"status": "stable", "steps": 1200})  # fmt: skip
     lines = write_report([tmp_path / "pair"])["report.md"].read_text().splitlines()
-    assert lines[2] == f"**Ran:** 2 arms of 1 run (`pair`), logged to step {steps[-1]}."
+    assert lines[2] == "**Ran:** 2 arms of 1 run (`pair`), 1200 steps."  # softmax has no steps
     assert (
         lines[4]
         == f"**Held:** sigmoid stable; softmax diverged at step {steps[at]} (logit growth)."
@@ -82,4 +82,6 @@ def test_a_headline_over_many_arms_counts_outcomes_per_arm():
     )
     ran, held = headline(summary)
     assert ran == "**Ran:** 6 arms of 6 runs (`r0`, `r1`, `r2`, ...), logged to step 5-99."
+    assert headline(summary, [6, 100, 100, 100, 10, 100])[0].endswith("6-100 steps.")
+    assert headline(summary.iloc[1:2], [100])[0] == "**Ran:** 1 arm of 1 run (`r1`), 100 steps."
     assert held == "**Held:** softmax: 2 diverged, 1 stable; sigmoid: 3 stable."
