@@ -333,9 +333,10 @@ def _span(values) -> str:
 
 
 def headline(summary: pd.DataFrame, steps=()) -> list[str]:
-    """The report's first lines: what ran (arms, runs, their steps) and what held (each arm's
-    outcome; counted per arm name beyond ``HEADLINE_ARMS`` arms). ``steps``: each arm's steps
-    from summary.json; without them, the last logged step."""
+    """The report's first lines: what ran (arms, runs, their steps) and what held: each arm's
+    outcome; beyond ``HEADLINE_ARMS`` arms, the count per outcome and the arms that did not stay
+    stable (arms of distinct names), or the count per arm name and outcome (repeats). ``steps``:
+    each arm's steps from summary.json; without them, the last logged step."""
     runs = list(dict.fromkeys(summary["run"]))
     n = len(summary)
     named = ", ".join(f"`{r}`" for r in runs[:3]) + (", ..." if len(runs) > 3 else "")
@@ -349,6 +350,11 @@ def headline(summary: pd.DataFrame, steps=()) -> list[str]:
         ran += "."
     if n <= HEADLINE_ARMS:
         held = "; ".join(_outcome(r, len(runs) > 1) for r in summary.itertuples(index=False))
+    elif summary["arm"].is_unique:  # e.g. the KV study's cells: the count, then what did not hold
+        counts = summary["status"].value_counts(sort=False)
+        held = ", ".join(f"{k} {status}" for status, k in counts.items())
+        rows = [r for r in summary.itertuples(index=False) if r.status != "stable"]
+        held += (": " + "; ".join(_outcome(r, False) for r in rows)) if rows else ""
     else:
         counts = summary.groupby(["arm", "status"], sort=False).size()
         held = "; ".join(

@@ -85,3 +85,19 @@ def test_a_headline_over_many_arms_counts_outcomes_per_arm():
     assert headline(summary, [6, 100, 100, 100, 10, 100])[0].endswith("6-100 steps.")
     assert headline(summary.iloc[1:2], [100])[0] == "**Ran:** 1 arm of 1 run (`r1`), 100 steps."
     assert held == "**Held:** softmax: 2 diverged, 1 stable; sigmoid: 3 stable."
+
+
+def test_a_headline_over_many_distinct_arms_names_those_that_did_not_hold():
+    cells = ["sm-rope", "sig-rope", "sm-nope", "sig-nope", "sm-g-rope"]
+    summary = pd.DataFrame(
+        {
+            "run": ["kv"] * 5,
+            "arm": cells,
+            "status": ["stable", "diverged", "stable", "stable", "stable"],
+            "divergence_step": pd.array([None, 40, None, None, None], dtype="Int64"),
+            "mechanism": [None, "early transient", None, None, None],
+            "last_step": pd.array([149, 40, 149, 149, 149], dtype="Int64"),
+        }
+    )
+    _, held = headline(summary, [150, 41, 150, 150, 150])
+    assert held == "**Held:** 4 stable, 1 diverged: sig-rope diverged at step 40 (early transient)."
