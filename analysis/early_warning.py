@@ -43,7 +43,8 @@ def divergence_of(df_arm: pd.DataFrame, **params) -> det.Detection | None:
 
 def max_logit_series(df_arm: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, str]:
     """Max attention logit over layers: the logged ``attn/max_logit``, else the max of the
-    per-layer tags at each step. Returns ``(steps_N, values_N, source)``; empty if neither."""
+    per-layer tags at each step (NaN at a step where a layer's is NaN: pandas' max would skip
+    it). Returns ``(steps_N, values_N, source)``; empty if neither."""
     steps, values = series(df_arm, tags.MAX_LOGIT)
     if values.size:
         return steps, values, tags.MAX_LOGIT
@@ -52,6 +53,7 @@ def max_logit_series(df_arm: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, str]
         return steps, values, ""
     sel = df_arm[df_arm["tag"].isin(per_layer.values())]
     by_step = sel.groupby("step", sort=True)["value"].max()
+    by_step[sel["value"].isna().groupby(sel["step"], sort=True).any()] = np.nan
     return by_step.index.to_numpy(np.int64), by_step.to_numpy(np.float64), MAX_OVER_LAYERS
 
 

@@ -3,12 +3,13 @@
     python analysis/report.py runs/smoke            # paired run -> runs/smoke/report/
     python analysis/report.py runs/a/softmax runs/b --out /tmp/report
 
-Writes report.md, summary.csv (one row per arm), early_warning.csv, scalars.csv (every scalar,
-tidy: run, arm, step, tag, value), figure.png (loss / grad norm / layer-0 max logit, divergence
-marked) and heatmap.png (per-layer max logit over steps, one panel per arm). Each diverged arm
+Writes report.md (its headline first: what ran, and what held, each arm's outcome), summary.csv
+(one row per arm), early_warning.csv, scalars.csv (every scalar, tidy: run, arm, step, tag,
+value), figure.png (loss / grad norm / layer-0 max logit, divergence marked) and heatmap.png
+(per-layer max logit over steps, one panel per arm). Each diverged arm
 gets its failure mechanism (``mechanism``: logit growth, early transient, other, unknown), and
 report.md lists the early-transient failures apart from the rest. When the runs
-hold repeats of an arm (same arm and setting; seeds pool, see ``rates``), report.md opens with
+hold repeats of an arm (same arm and setting; seeds pool, see ``rates``), report.md gives
 outcome rates per arm (fraction diverged, 95% Wilson interval, divergence steps) and the early
 warning over the repeats (lead, false-alarm rate on stable runs), also as rates.csv and
 warning_rates.csv, with groups.png (the repeats pooled by group: loss, grad norm, max logit, an x
@@ -17,10 +18,13 @@ precursor that fired on more than ``rates.FALSE_ALARM_MAX`` of the stable runs. 
 passes silently: an arm without an event file, or whose event files hold no scalar, keeps its
 row (status from summary.json, else ``no data``) with a note; an event file cut mid-record is
 named in report.md as well as in the printed warning; a missing tag leaves a panel empty with a
-note in the figure and in report.md. Gated arms (the KV-eviction study's) get a line each under
-"Dead gate layers": the gate layers summary.json lists as dead (``dead_gate_layers``: mean gate
-below ``telemetry.dead_gate_below`` at the last logged step), flagged, or none. Bad paths print one
-line and exit with code 2.
+note in the figure and in report.md. Nor do arms that cannot be paired: when the arms of one
+run were trained with configs that differ beyond the arm (``settings.arm_differences``: one arm
+restarted alone with other values, ``--fresh=True --arm sigmoid --train.lr=...``), report.md says
+so under "Arms that differ" and an ``ArmsDifferWarning`` is printed. Gated arms (the
+KV-eviction study's) get a line each under "Dead gate layers": the gate layers summary.json lists
+as dead (``dead_gate_layers``: mean gate below ``telemetry.dead_gate_below`` at the last logged
+step), flagged, or none. Bad paths print one line and exit with code 2.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from stabilitylab.analysis.events import (
     load_summary,
     read_found,
 )
+from stabilitylab.analysis.settings import arm_differences
 from stabilitylab.analysis.stats import SUMMARY_COLUMNS, arm_row
 
 REPORT_FILES = (
@@ -102,6 +107,33 @@ def build_tables(
     return summary, early
 
 
+class ArmsDifferWarning(UserWarning):
+    """The arms of one run were trained with configs that differ beyond the arm."""
+
+
+def arm_difference_notes(found: list[tuple[Path, str, str]], configs: dict) -> list[str]:
+    """One line per run (the folder that holds the arms) whose arms differ beyond the arm."""
+    by_run: dict[Path, dict[str, dict | None]] = {}
+    for d, run, arm in found:
+        by_run.setdefault(Path(d).parent, {})[arm] = configs.get((run, arm))
+    notes = []
+    for run_dir, arm_configs in by_run.items():
+        diff = arm_differences(arm_configs)
+        if not diff:
+            continue
+        keys = "; ".join(
+            f"{k}: " + ", ".join(f"{arm} {v!r}" for arm, v in values.items())
+            for k, values in diff.items()
+        )
+        notes.append(
+            f"`{run_dir}`: its arms were trained with different configs ({keys}), so comparing "
+            "them compares more than the arm. `--fresh=True` restarts only the arms the command "
+            "trains (with `--arm` one arm): rerun the others with the same values, or all arms "
+            "with `--fresh=True`"
+        )
+    return notes
+
+
 def data_notes(df: pd.DataFrame, found: list[tuple[Path, str, str]], cut: list[Path]) -> list[str]:
     """One line per arm without data and one for the event files cut mid-record."""
     notes = []
@@ -140,6 +172,10 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
         raise ValueError(f"no scalars in the event files under {', '.join(map(str, run_dirs))}")
     summaries = {(run, arm): load_summary(d) for d, run, arm in found}
     configs = {(run, arm): load_config(d) for d, run, arm in found}
+    steps = [(s or {}).get("steps") for s in summaries.values()]
+    differ = arm_difference_notes(found, configs)
+    for note in differ:
+        warnings.warn(note.replace("`", ""), ArmsDifferWarning, stacklevel=2)
 
     out = Path(out_dir) if out_dir is not None else Path(run_dirs[0]) / "report"
     out.mkdir(parents=True, exist_ok=True)
@@ -166,10 +202,19 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     summary.to_csv(paths["summary.csv"], index=False)
     early.to_csv(paths["early_warning.csv"], index=False)
     missing = data_notes(df, found, cut)
-    text = _markdown(
-        summary, early, notes, found, missing, rates, dead_gate_lines(found, summaries)
+    paths["report.md"].write_text(
+        _markdown(
+            summary,
+            early,
+            notes,
+            found,
+            missing,
+            rates,
+            differ,
+            steps,
+            dead_gate_lines(found, summaries),
+        )  # fmt: skip
     )
-    paths["report.md"].write_text(text)
     return paths
 
 
@@ -299,9 +344,70 @@ def _mechanism_markdown(summary: pd.DataFrame) -> list[str]:
     ]
 
 
-def _markdown(summary, early, notes, found, missing, rates=None, dead_gates=()) -> str:
-    lines = ["# Stability report", "", "Runs:"]
+HEADLINE_ARMS = 4
+"""Up to this many arms, the headline names each one's outcome; beyond, it counts them."""
+
+
+def _outcome(row, with_run: bool) -> str:
+    """``softmax diverged at step 665 (logit growth)``, ``sigmoid stable``."""
+    who = f"{row.arm} (`{row.run}`)" if with_run else str(row.arm)
+    text = f"{who} {row.status}"
+    if row.status == "diverged" and not pd.isna(row.divergence_step):
+        text += f" at step {int(row.divergence_step)}"
+        if isinstance(row.mechanism, str):
+            text += f" ({row.mechanism})"
+    return text
+
+
+def _span(values) -> str:
+    """``300`` or ``120-300``; "" for none."""
+    values = [int(v) for v in values if v is not None and not pd.isna(v)]
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+
+def headline(summary: pd.DataFrame, steps=()) -> list[str]:
+    """The report's first lines: what ran (arms, runs, their steps) and what held: each arm's
+    outcome; beyond ``HEADLINE_ARMS`` arms, the count per outcome and the arms that did not stay
+    stable (arms of distinct names), or the count per arm name and outcome (repeats). ``steps``:
+    each arm's steps from summary.json; without them, the last logged step."""
+    runs = list(dict.fromkeys(summary["run"]))
+    n = len(summary)
+    named = ", ".join(f"`{r}`" for r in runs[:3]) + (", ..." if len(runs) > 3 else "")
+    ran = f"**Ran:** {n} arm{'s' * (n != 1)} of {len(runs)} run{'s' * (len(runs) != 1)} ({named})"
+    if _span(steps):
+        every = sum(v is not None for v in steps) == n > 1 and "-" not in _span(steps)
+        ran += f", {_span(steps)} steps{' each' * every}."
+    elif _span(summary["last_step"]):
+        ran += f", logged to step {_span(summary['last_step'])}."
+    else:
+        ran += "."
+    if n <= HEADLINE_ARMS:
+        held = "; ".join(_outcome(r, len(runs) > 1) for r in summary.itertuples(index=False))
+    elif summary["arm"].is_unique:  # e.g. the KV study's cells: the count, then what did not hold
+        counts = summary["status"].value_counts(sort=False)
+        held = ", ".join(f"{k} {status}" for status, k in counts.items())
+        rows = [r for r in summary.itertuples(index=False) if r.status != "stable"]
+        held += (": " + "; ".join(_outcome(r, False) for r in rows)) if rows else ""
+    else:
+        counts = summary.groupby(["arm", "status"], sort=False).size()
+        held = "; ".join(
+            f"{arm}: " + ", ".join(f"{k} {status}" for status, k in by.droplevel(0).items())
+            for arm, by in counts.groupby(level=0, sort=False)
+        )
+    return [ran, f"**Held:** {held}."]
+
+
+def _markdown(
+    summary, early, notes, found, missing, rates=None, differ=(), steps=(), dead_gates=()
+) -> str:
+    ran, held = headline(summary, steps)
+    lines = ["# Stability report", "", ran, "", held, "", "Runs:"]
     lines += [f"- `{d}` (run `{run}`, arm `{arm}`)" for d, run, arm in found]
+    if differ:
+        lines += ["", "## Arms that differ", "", *[f"- {m}" for m in differ]]
     if missing:
         lines += ["", "## Missing or cut data", "", *[f"- {m}" for m in missing]]
     if dead_gates:

@@ -52,3 +52,27 @@ def with_setting_ids(runs: pd.DataFrame, keys: list[str]) -> tuple[pd.DataFrame,
     settings = runs[keys].drop_duplicates().reset_index(drop=True)
     settings.insert(0, "setting", [f"S{i + 1}" for i in range(len(settings))])
     return runs.merge(settings, on=keys, how="left"), settings
+
+
+ARM_OWN_KEYS = ("arm", "backend", "model.gates", "model.position")
+"""What makes an arm itself: its name and backend; a KV cell also sets its gates and position."""
+
+
+def arm_differences(configs: dict[str, dict]) -> dict[str, dict[str, object]]:
+    """``{key: {arm: value}}`` for every training key in which the arms of ONE run differ
+    beyond the arm itself (``ARM_OWN_KEYS``); the keys a resume may change freely
+    (``stabilitylab.train.resume.FREE_KEYS``: steps, backends of the other arm, telemetry)
+    do not count. A paired run whose arms differ compares more than the attention: e.g. one arm
+    restarted alone with ``--fresh=True --arm sigmoid --train.lr=...``."""
+    from stabilitylab.train.resume import FREE_KEYS, FREE_PREFIXES
+    from stabilitylab.train.resume import flatten as flatten_config
+
+    flat = {arm: flatten_config(c) for arm, c in configs.items() if c is not None}
+    out = {}
+    for key in sorted(set().union(*flat.values())) if flat else []:
+        if key in ARM_OWN_KEYS or key in FREE_KEYS or key.startswith(FREE_PREFIXES):
+            continue
+        values = {arm: f.get(key, "<absent>") for arm, f in flat.items()}
+        if len({repr(v) for v in values.values()}) > 1:
+            out[key] = values
+    return out

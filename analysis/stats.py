@@ -45,13 +45,17 @@ def final_mean(values_N: np.ndarray, n: int = N_FINAL) -> float:
     return float(values_N[-n:].mean()) if values_N.size else math.nan
 
 
-def growth(values_N: np.ndarray, n_early: int = N_EARLY) -> tuple[float, float]:
-    """``(max, max / early median)`` over finite points; NaNs when there are none."""
+def growth(
+    values_N: np.ndarray, n_early: int = N_EARLY, *, keep_nonfinite: bool = False
+) -> tuple[float, float]:
+    """``(max, max / early median)`` over finite points; NaNs when there are none. With
+    ``keep_nonfinite`` the max is over every point: NaN if one is NaN, inf if one is inf (the
+    max logit: a head whose logits broke is data, not noise to skip)."""
     finite = values_N[np.isfinite(values_N)]
-    if finite.size == 0:
+    if finite.size == 0 and not (keep_nonfinite and values_N.size):
         return math.nan, math.nan
-    early = float(np.median(finite[:n_early]))
-    peak = float(finite.max())
+    early = float(np.median(finite[:n_early])) if finite.size else math.nan
+    peak = float(np.max(values_N) if keep_nonfinite else finite.max())
     return peak, (peak / early if early > 0 else math.nan)
 
 
@@ -105,7 +109,7 @@ def arm_row(
     logit_steps, logit, _ = max_logit_series(df_arm)
     found_mech = mechanism_of(status, div_step, logit_steps, logit, warmup_of(config))
     max_gn, gn_growth = growth(gn) if gn.size else (None, None)
-    max_logit, logit_growth = growth(logit) if logit.size else (None, None)
+    max_logit, logit_growth = growth(logit, keep_nonfinite=True) if logit.size else (None, None)
     blowup = det.loss_blowup(loss_steps, loss) if loss.size else None
     row = {
         "run": run,

@@ -1,7 +1,7 @@
 """The KV-eviction study, training side: 8 cells of a GPT-2-style causal decoder, softmax /
 sigmoid attention (SM, Sig) x dense / learned KV-eviction gates (+G) x RoPE / NoPE, from the same
-initial weights where their parameters coincide and on the same batches
-(../shared/papers/sigmoid-attention-kv-eviction.txt; ../shared/notes/kv-eviction-study.md).
+initial weights where their parameters coincide and on the same batches (the paper: "Sigmoid
+Attention as a Better Substrate for Learned KV Cache Eviction").
 
     python experiments/kv_eviction.py --preset tiny                 # CPU, all 8 cells (make kv-demo)
     accelerate launch --config_file experiments/launch/single_gpu.yaml experiments/kv_eviction.py \\

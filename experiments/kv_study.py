@@ -1,6 +1,6 @@
 """The KV-eviction study in one command: train the 8 cells (or those of --cells) where they are
-not trained yet, then evaluate them and write the tables and Figure 1
-(../shared/papers/sigmoid-attention-kv-eviction.txt; ../shared/notes/kv-eviction-study.md).
+not trained yet, then evaluate them and write the tables and Figure 1 of "Sigmoid Attention as a
+Better Substrate for Learned KV Cache Eviction".
 
     python experiments/kv_study.py --preset tiny                    # CPU (make kv-study)
     accelerate launch --config_file experiments/launch/single_gpu.yaml experiments/kv_study.py \\

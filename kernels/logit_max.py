@@ -4,7 +4,7 @@ Under ``causal=True`` only pairs with j <= i count; key tiles above the diagonal
 
 For the softmax arm, whose fused kernel (SDPA) cannot report its logits: Q K^T tiles only, no V,
 no n x n tensor. Same layout and padding rules as ``sigmoid_attention`` (padded rows are loaded as
-zeros, so they contribute |0| and never win the max); each program writes its tile's maximum and a
+zeros and their pairs count as |0|, so they never win the max); each program writes its tile's maximum and a
 tiny ``amax`` finishes, so no atomics. A NaN score makes its head's maximum NaN, as in the
 reference ``kernels/reference.py::max_abs_logit_reference``.
 """
@@ -41,14 +41,17 @@ def _max_over_keys(
     MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Key tiles [lo, hi) into the running row max; ``MASK``: a causal tile on the diagonal, whose
-    hidden pairs (key > query) count as |0|."""
+    hidden pairs (key > query) count as |0|. Pairs with a padded row count as |0| too: padding
+    reads as zeros, and q . 0 is NaN for a q holding an inf (a cheap select: this kernel only
+    reduces)."""
     for start_n in range(lo, hi, BLOCK_N):
         rows_n = start_n + offs_n
         k = tl.load(k_base + rows_n[:, None] * skt, mask=rows_n[:, None] < L, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        visible = (rows_n[None, :] < L) & (offs_m[:, None] < L)
         if MASK:
-            qk = tl.where(rows_n[None, :] <= offs_m[:, None], qk, 0.0)
-        mx_bits = max_abs_bits(mx_bits, qk)
+            visible = visible & (rows_n[None, :] <= offs_m[:, None])
+        mx_bits = max_abs_bits(mx_bits, tl.where(visible, qk, 0.0))
     return mx_bits
 
 

@@ -6,7 +6,11 @@ Layout: ``q_BHTD, k_BHTD, v_BHTD`` (batch, heads, tokens, head dim), right paddi
 softmax and sigmoid arms report comparable magnitudes.
 
 Which pairs count: key ``j`` is *visible* to query ``i`` when ``j < L_b`` and, under
-``causal=True``, ``j <= i``. Outputs of padded query rows (``i >= L_b``) are zero.
+``causal=True``, ``j <= i``. Outputs of padded query rows (``i >= L_b``) are zero. A hidden pair
+and a padded row are left out by selection, never by multiplying with 0: whatever padding holds
+never reaches a result, and a non-finite value in a valid position reaches exactly the results
+its pairs reach (an inf in q_i: out_i by IEEE rules, max|logit| = inf; the kernels agree, though
+they read padding as zeros, where q_i . 0 = inf * 0 = NaN).
 
 A per-key additive bias (the KV-eviction gate's ``log(g_j + eps)``) is added to every query's
 score for key ``j``: ``key_bias_BT`` (shared by the heads) or ``key_bias_BHT`` (one per head), at
@@ -109,9 +113,9 @@ def sigmoid_attention_reference(
     b_B = sigmoid_bias_B(lengths_B, bias).to(q_BHTD.dtype)
     s_BHTT = _scores_BHTT(q_BHTD, k_BHTD, scale, bias_BH1T) + b_B[:, None, None, None]
     visible_B1TT = visible_BTT(lengths_B, T, causal)[:, None]
-    p_BHTT = torch.sigmoid(s_BHTT) * visible_B1TT.to(q_BHTD.dtype)
+    p_BHTT = torch.where(visible_B1TT, torch.sigmoid(s_BHTT), 0.0)
     out_BHTD = torch.matmul(p_BHTT, v_BHTD)
-    return out_BHTD * key_mask_BT(lengths_B, T)[:, None, :, None].to(out_BHTD.dtype)
+    return torch.where(key_mask_BT(lengths_B, T)[:, None, :, None], out_BHTD, 0.0)
 
 
 def softmax_attention_reference(
@@ -138,7 +142,7 @@ def softmax_attention_reference(
     visible_B1TT = visible_BTT(lengths_B, T, causal)[:, None]
     s_BHTT = s_BHTT.masked_fill(~visible_B1TT, float("-inf"))
     out_BHTD = torch.matmul(torch.softmax(s_BHTT, dim=-1), v_BHTD)
-    return out_BHTD * key_mask_BT(lengths_B, T)[:, None, :, None].to(out_BHTD.dtype)
+    return torch.where(key_mask_BT(lengths_B, T)[:, None, :, None], out_BHTD, 0.0)
 
 
 def max_abs_logit_reference(

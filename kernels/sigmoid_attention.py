@@ -167,12 +167,16 @@ def tile_order(pid, n, CAUSAL: tl.constexpr):
 
 @triton.jit
 def accumulate_pv(
-    acc, mx_bits, s, v, a_s, c, q_idx, k_idx,
-    MASK: tl.constexpr, SIGMOID: tl.constexpr, RETURN_MAX: tl.constexpr,
+    acc, mx_bits, s, v, a_s, c, q_idx, k_idx, L,
+    MASK: tl.constexpr, PAST_L: tl.constexpr, SIGMOID: tl.constexpr, RETURN_MAX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One key tile of the forward: ``acc += sigmoid(a s + c) v`` and the running max |s| over
-    visible pairs (``hide_future``)."""
+    visible pairs (``hide_future``). ``PAST_L``: the tile holds keys past L, which read as zeros:
+    their score q . 0 is 0, but NaN for a q holding an inf (0 * inf), so it is set to 0 here
+    (p v stays 0 as v = 0), and padding never reaches the output or the max."""
+    if PAST_L:
+        s = tl.where(k_idx < L, s, 0.0)
     if RETURN_MAX:
         mx_bits = max_abs_bits(mx_bits, hide_future(s, q_idx, k_idx, 0.0, MASK))
     x = s * a_s + c
@@ -219,10 +223,10 @@ def fwd_key_tiles(
     a_s, c_s,
     MASK: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
     RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAST_L: tl.constexpr = False,
 ):  # fmt: skip
     """Key tiles [lo, hi) of a forward query tile; ``qk`` holds tile lo's scores on entry and
-    tile hi's on exit. The scores of key tile j+1 (an asynchronous wgmma on Hopper) are issued
+    tile hi's on exit. ``PAST_L``: the tiles hold keys past L (``accumulate_pv``). The scores of key tile j+1 (an asynchronous wgmma on Hopper) are issued
     before the sigmoid of tile j, so the MUFU works while the tensor cores do: per score the two
     products cost 4 D flops (~990 TFLOPS dense bf16 on an H200) and the sigmoid one MUFU op
     (~3.9 T/s), about as long at D = 64. The tile past the last valid key reads zeros; its scores
@@ -237,8 +241,8 @@ def fwd_key_tiles(
         qk_now = qk
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         acc, mx_bits = accumulate_pv(
-            acc, mx_bits, qk_now, v, a_s, c, offs_m[:, None], keys,
-            MASK, SIGMOID, RETURN_MAX, DOT_PRECISION,
+            acc, mx_bits, qk_now, v, a_s, c, offs_m[:, None], keys, L,
+            MASK, PAST_L, SIGMOID, RETURN_MAX, DOT_PRECISION,
         )  # fmt: skip
     return acc, mx_bits, qk
 
@@ -343,27 +347,30 @@ def _sigmoid_fwd_kernel(
             q = in_registers(q)
         k0 = load_tile(k_src, b, h, 0, offs_n, skt, L, offs_d, TMA)  # ahead of the loop
         qk = tl.dot(q, tl.trans(k0), input_precision=DOT_PRECISION)
+        # Causal: below the diagonal, then across it (masked; for a valid row that hides every
+        # key past L too). Else the whole key tiles, then the last one, which holds keys past L.
         if CAUSAL:
             diag, end = causal_key_split(start_m, L, BLOCK_M, BLOCK_N)
         else:
-            diag = L
+            diag, end = L // BLOCK_N * BLOCK_N, L
         acc, mx_bits, qk = fwd_key_tiles(
             acc, mx_bits, qk, q, k_src, v_src, kb_base, b, h, 0, diag, offs_m, offs_n, offs_d,
             skt, svt, L, a_s, c_s, False, HAS_KEY_BIAS, SIGMOID, RETURN_MAX, DOT_PRECISION, TMA,
             BLOCK_N,
         )  # fmt: skip
-        if CAUSAL:
-            acc, mx_bits, qk = fwd_key_tiles(
-                acc, mx_bits, qk, q, k_src, v_src, kb_base, b, h, diag, end, offs_m, offs_n,
-                offs_d, skt, svt, L, a_s, c_s, True, HAS_KEY_BIAS, SIGMOID, RETURN_MAX,
-                DOT_PRECISION, TMA, BLOCK_N,
-            )  # fmt: skip
-    # Padded query rows saw q = 0, so acc holds sigmoid(b) * sum(v) there: zero them.
-    acc = tl.where(offs_m[:, None] < L, acc, 0.0)
+        acc, mx_bits, qk = fwd_key_tiles(
+            acc, mx_bits, qk, q, k_src, v_src, kb_base, b, h, diag, end, offs_m, offs_n,
+            offs_d, skt, svt, L, a_s, c_s, CAUSAL, HAS_KEY_BIAS, SIGMOID, RETURN_MAX,
+            DOT_PRECISION, TMA, BLOCK_N, not CAUSAL,
+        )  # fmt: skip
+    # Padded query rows saw q = 0, so acc holds sigmoid(b) * sum(v) there (NaN for a k holding
+    # an inf): zero them, and keep them out of the max.
+    valid = offs_m < L
+    acc = tl.where(valid[:, None], acc, 0.0)
     tl.store(o_base + offs_m[:, None] * sot + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=offs_m[:, None] < T)  # fmt: skip
     if RETURN_MAX:
-        tl.store(mx_base + pid_m, bits_as_max(mx_bits) * scale)
+        tl.store(mx_base + pid_m, bits_as_max(tl.where(valid, mx_bits, 0)) * scale)
 
 
 # The backward kernels issue dP ahead of the sigmoid (``p_and_ds``), not the next tile's scores as

@@ -90,26 +90,27 @@ def _sigmoid_fwd_dense_kernel(
         qk = tl.dot(q, tl.trans(k0), input_precision=DOT_PRECISION)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
         mx_bits = tl.zeros((BLOCK_M,), dtype=tl.int32)
-        # As in the general forward; past T the descriptor reads zeros (rows and keys past T score
-        # 0, which never raises the max, and the last look-ahead's scores are discarded).
+        # As in the general forward, with T for L: past T the descriptor reads zeros, the last
+        # key tile hides its keys past T, rows past T stay out of the max and are not stored (the
+        # last look-ahead's scores are discarded).
         if CAUSAL:
             diag, end = causal_key_split(start_m, T, BLOCK_M, BLOCK_N)
         else:
-            diag = T
+            diag, end = T // BLOCK_N * BLOCK_N, T
         acc, mx_bits, qk = fwd_key_tiles(
             acc, mx_bits, qk, q, K_d, V_d, kb_base, b, h, 0, diag, offs_m, offs_n, offs_d, 0, 0,
             T, a_s, c_s, False, HAS_KEY_BIAS, SIGMOID, RETURN_MAX, DOT_PRECISION, HOST_TMA,
             BLOCK_N,
         )  # fmt: skip
-        if CAUSAL:
-            acc, mx_bits, qk = fwd_key_tiles(
-                acc, mx_bits, qk, q, K_d, V_d, kb_base, b, h, diag, end, offs_m, offs_n, offs_d,
-                0, 0, T, a_s, c_s, True, HAS_KEY_BIAS, SIGMOID, RETURN_MAX, DOT_PRECISION,
-                HOST_TMA, BLOCK_N,
-            )  # fmt: skip
+        acc, mx_bits, qk = fwd_key_tiles(
+            acc, mx_bits, qk, q, K_d, V_d, kb_base, b, h, diag, end, offs_m, offs_n, offs_d,
+            0, 0, T, a_s, c_s, CAUSAL, HAS_KEY_BIAS, SIGMOID, RETURN_MAX, DOT_PRECISION,
+            HOST_TMA, BLOCK_N, not CAUSAL,
+        )  # fmt: skip
         tl.store(Out + b.to(tl.int64) * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :],
                  acc.to(Out.dtype.element_ty), mask=offs_m[:, None] < T)  # fmt: skip
         if RETURN_MAX:
+            mx_bits = tl.where(offs_m < T, mx_bits, 0)
             tl.store(MX + pid_bh.to(tl.int64) * mx_stride + pid_m, bits_as_max(mx_bits) * scale)
 
 

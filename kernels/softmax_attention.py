@@ -138,8 +138,8 @@ def fwd_key_tiles(
     RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Key tiles [lo, hi) of a forward query tile. Keys past L read zeros, so their raw score is 0
-    and leaves the max |logit| alone; only causal masking hides pairs from it."""
+    """Key tiles [lo, hi) of a forward query tile. The masked tiles (``hide``) keep keys past L
+    out of the max |logit| and of P: they read zeros, and q . 0 is NaN for a q holding an inf."""
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + offs_n
         k = load_tile(k_src, b, h, start_n, keys, skt, L, offs_d, LOADS)
@@ -281,7 +281,8 @@ def _softmax_fwd_kernel(
     tl.store(Out + b64 * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=in_range[:, None])  # fmt: skip
     tl.store(LSE + pid_bh.to(tl.int64) * T + offs_m, lse, mask=in_range)
-    if RETURN_MAX:
+    if RETURN_MAX:  # padded rows (q = 0: NaN against a k holding an inf) stay out of the max
+        mx_bits = tl.where(valid, mx_bits, 0)
         tl.store(MX + pid_bh.to(tl.int64) * mx_stride + pid_m, bits_as_max(mx_bits) * scale)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 from stabilitylab.config import ConfigError, parse
 from stabilitylab.data.source import DataError
@@ -47,16 +48,17 @@ EXIT_INTERRUPTED = 75
 def _input_errors() -> tuple[type[Exception], ...]:
     """Errors that mean bad input (config, data, checkpoint, resume), not a bug."""
     from stabilitylab.eviction.cells import StudyError
+    from stabilitylab.runlock import RunBusy
     from stabilitylab.train.checkpoint import CheckpointError
     from stabilitylab.train.resume import ResumeError
 
-    return (ConfigError, DataError, CheckpointError, ResumeError, StudyError)
+    return (ConfigError, DataError, CheckpointError, ResumeError, StudyError, RunBusy)
 
 
 @contextlib.contextmanager
 def cli_errors() -> Iterator[None]:
-    """Turn bad input (ConfigError, DataError, CheckpointError, ResumeError, StudyError) into
-    ``error: <message>`` and ``SystemExit(2)``.
+    """Turn bad input (ConfigError, DataError, CheckpointError, ResumeError, StudyError, and
+    RunBusy: the run is another process's) into ``error: <message>`` and ``SystemExit(2)``.
 
     A context manager and a decorator::
 
@@ -78,16 +80,18 @@ def train_main(
     *,
     default_preset: str = "stress_8k",
     description: str = TRAIN_DESCRIPTION,
+    study: str = "stress",
 ) -> int:
     """Parse the config, train every arm (or cell), report: the paired stress run
-    (``experiments/stress_8k.py``) and, with another default preset, the KV-eviction study.
+    (``experiments/stress_8k.py``) and, with ``study="kv"``, the KV-eviction study's cells. Each
+    study's command takes its own presets and keys (``stabilitylab.study_cli``).
 
     Returns the exit code: 0 when every arm ran to its end (stable or diverged: both are
     results), ``EXIT_INTERRUPTED`` (75) when SIGTERM / SIGINT stopped it, 1 when no arm ran, 2
     for bad input or a GPU preset without CUDA.
     """
     with cli_errors():
-        cfg = parse(argv, default_preset=default_preset, description=description)
+        cfg = parse(argv, default_preset=default_preset, description=description, study=study)
         if not _device_ok(cfg):
             return USAGE_ERROR
         from stabilitylab.train import run  # after the checks: refuse at once, before heavy imports
@@ -119,7 +123,7 @@ def _device_ok(cfg) -> bool:
 def kv_main(argv: list[str] | None = None) -> int:
     """The KV-eviction study (``experiments/kv_eviction.py``): ``train_main`` with its presets'
     default (reduced) and description."""
-    return train_main(argv, default_preset="reduced", description=KV_DESCRIPTION)
+    return train_main(argv, default_preset="reduced", description=KV_DESCRIPTION, study="kv")
 
 
 def kv_study_main(argv: list[str] | None = None) -> int:
@@ -128,7 +132,7 @@ def kv_study_main(argv: list[str] | None = None) -> int:
     them and write ``<out_dir>/<name>/study/``. Exit codes as ``kv_main``: 0, 2 (bad input, one
     ``error:`` line), 75 (stopped by a signal: the study is not run; rerun to resume)."""
     with cli_errors():
-        cfg = parse(argv, default_preset="reduced", description=KV_STUDY_DESCRIPTION)
+        cfg = parse(argv, default_preset="reduced", description=KV_STUDY_DESCRIPTION, study="kv")
         if not _device_ok(cfg):
             return USAGE_ERROR
         if cfg.task != "lm":
@@ -146,21 +150,35 @@ def kv_study_main(argv: list[str] | None = None) -> int:
             if study_md is not None:
                 print(f"study: {study_md}")
             return code
-        import torch
-        from accelerate import PartialState
+        from stabilitylab import runs
 
-        from stabilitylab.train import run
+        # The cells and the study folder stay this process's from the training to study.md.
+        with runs.hold([*(runs.arm_dir(cfg, c) for c in cfg.arms()), study_dir(cfg)]):
+            return _train_and_study(cfg)
+    return 0
 
-        main = PartialState(cpu=not torch.cuda.is_available()).is_main_process
-        summaries = run(cfg)
-        if any(s.get("interrupted_by_signal") for s in summaries.values()):
-            return EXIT_INTERRUPTED
-        if not main:
-            return 0
-        from stabilitylab.analysis.kv_study import study_report
 
-        paths = study_report(cfg, progress=True)
-        print(f"study: {paths['study.md']}")
+def study_dir(cfg) -> Path:
+    """Where the KV study writes (``study.out_dir``, default ``<out_dir>/<name>/study``)."""
+    return Path(cfg.study.out_dir or Path(cfg.out_dir) / cfg.name / "study")
+
+
+def _train_and_study(cfg) -> int:
+    import torch
+    from accelerate import PartialState
+
+    from stabilitylab.train import run
+
+    main = PartialState(cpu=not torch.cuda.is_available()).is_main_process
+    summaries = run(cfg)
+    if any(s.get("interrupted_by_signal") for s in summaries.values()):
+        return EXIT_INTERRUPTED
+    if not main:
+        return 0
+    from stabilitylab.analysis.kv_study import study_report
+
+    paths = study_report(cfg, progress=True)
+    print(f"study: {paths['study.md']}")
     return 0
 
 

@@ -786,7 +786,8 @@ class Config:
     report: bool = True
     """Run the analysis report over the arms at the end."""
     fresh: bool = False
-    """Start over: delete the arm dirs of this run (events, summary, checkpoints) first."""
+    """Start over: delete the arm dirs this command trains (events, summary, checkpoints) first;
+    with --arm or --cells only those (the report flags arms of one run whose configs differ)."""
     trackers: list[Literal["wandb", "mlflow"]] = field(default_factory=list)
     """Trackers beside TensorBoard (always on), e.g. --trackers wandb; each must be installed."""
     num_workers: int | None = None
@@ -953,8 +954,9 @@ def from_dict(d: dict) -> Config:
     return Config(**{k: v for k, v in d.items() if k not in SECTIONS}, **sections)
 
 
-def _preset_from_argv(argv: list[str], default: str) -> str:
-    """The value of the last ``--preset NAME`` / ``--preset=NAME`` (tyro parses it again)."""
+def _preset_from_argv(argv: list[str], default: str, study: str | None = None) -> str:
+    """The value of the last ``--preset NAME`` / ``--preset=NAME`` (tyro parses it again); with
+    ``study``, one of that study's presets."""
     name = default
     for i, a in enumerate(argv):
         if a == "--preset":
@@ -967,29 +969,47 @@ def _preset_from_argv(argv: list[str], default: str) -> str:
         raise ConfigError(
             f"config preset: unknown preset {name!r}; choose one of {list(PRESET_NAMES)}"
         )
+    if study is not None:
+        from stabilitylab.study_cli import study_of, study_presets
+
+        if name not in study_presets(study):
+            scripts = "experiments/stress_8k.py" if study_of(name) == "stress" else "experiments/kv_eviction.py or kv_study.py"  # fmt: skip
+            raise ConfigError(
+                f"config preset: {name!r} is the other study's preset (run it with {scripts}); "
+                f"this one takes {list(study_presets(study))}"
+            )
     return name
 
 
 def parse(
-    argv: list[str] | None = None, default_preset: str = "stress_8k", *, description: str = ""
+    argv: list[str] | None = None,
+    default_preset: str = "stress_8k",
+    *,
+    description: str = "",
+    study: Literal["stress", "kv"] | None = None,
 ) -> Config:
     """The config of ``--preset NAME`` (default ``default_preset``) with typed overrides.
 
     The preset is read first because it sets every default that ``--help`` shows and the
-    overrides apply to; tyro then parses the whole line, ``--preset`` included. Raises
-    ConfigError naming the key (a bad value, an unknown preset); tyro itself exits with code 2
-    and a message on an unknown key or a value of the wrong type.
+    overrides apply to; tyro then parses the whole line, ``--preset`` included. ``study``: the
+    study's presets and keys only (``stabilitylab.study_cli``; the scripts pass theirs), else
+    every one. Raises ConfigError naming the key (a bad value, an unknown preset, the other
+    study's preset); tyro itself exits with code 2 and a message on an unknown key or a value of
+    the wrong type.
     """
     import tyro
 
+    from stabilitylab import study_cli
     from stabilitylab.presets import PRESETS, preset_summary
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    base = PRESETS[_preset_from_argv(argv, default_preset)]()
-    presets = "\n".join(f"  {n:<13} {preset_summary(n)}" for n in PRESETS)
-    return tyro.cli(
-        Config,
-        default=base,
+    base = PRESETS[_preset_from_argv(argv, default_preset, study)]()
+    names = study_cli.study_presets(study) if study else tuple(PRESETS)
+    presets = "\n".join(f"  {n:<13} {preset_summary(n)}" for n in names)
+    cls = study_cli.cli_type(study) if study else Config
+    parsed = tyro.cli(
+        cls,
+        default=study_cli.as_cli(base, cls) if study else base,
         args=argv,
         prog=os.path.basename(sys.argv[0]),
         description=f"{description or __doc__.splitlines()[0]}\n\nPresets (--preset NAME):\n{presets}",
@@ -997,6 +1017,7 @@ def parse(
         # Booleans take a value like every other key (--model.qk_layernorm=True), not flag pairs.
         config=(tyro.conf.FlagConversionOff,),
     )
+    return study_cli.plain(parsed) if study else parsed
 
 
 def dumps(cfg: Config) -> str:

@@ -176,9 +176,9 @@ def stress_8k_hot() -> Config:
 
 # ---- the KV-eviction study: 8 cells of a causal decoder on text -------------------------------
 #
-# Source: ../shared/papers/sigmoid-attention-kv-eviction.txt (the paper) gives the model shape,
-# AdamW, QK-RMSNorm before RoPE, the gates and lambda = 0.03, 3 epochs of a 1B-token split and
-# context 512. It gives no optimizer numbers; those are the GPT-3 paper's 125M settings (Brown et
+# Source: the paper, "Sigmoid Attention as a Better Substrate for Learned KV Cache Eviction",
+# gives the model shape, AdamW, QK-RMSNorm before RoPE, the gates and lambda = 0.03, 3 epochs of
+# a 1B-token split and context 512. It gives no optimizer numbers; those are the GPT-3 paper's 125M settings (Brown et
 # al. 2020, Table 2.1 and Appendix B), which nanoGPT's GPT-2 (124M) reproduction also uses: peak
 # lr 6e-4, batch 0.5M tokens, betas (0.9, 0.95), eps 1e-8, weight decay 0.1, gradient clipping at
 # 1.0, linear warmup over 375M tokens, then a cosine decay to 10% of the peak (GPT-3's schedule,
@@ -216,7 +216,7 @@ def _kv_model(**shape) -> ModelConfig:
 
 
 # The fast step (train.fast) through the gated decoder: on the GPU its 100-step curves match the
-# eager step's within rounding (docs/BENCHMARKS.md, "The fast step in the KV cells"), and its step
+# eager step's within rounding (docs/BENCHMARKS.md, "The fast step in the trainer"), and its step
 # is 1.5-1.7x faster at the reduced shape, but it compiles for 50-60 s per cell. So kv_paper takes
 # it (5,722 steps a cell) and kv_reduced (800 steps: ~113 s fast vs ~90 s eager per cell, alone on
 # an H200) and kv_tiny (CPU) keep the eager step. --train.fast=True / False switches it; a

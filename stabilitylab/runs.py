@@ -16,10 +16,12 @@
     events.out.tfevents.*   TensorBoard scalars (written live)
     checkpoints/       last/ and, on divergence, forensic_step<N>/ (stabilitylab.train.checkpoint)
     summary.json       written at the end of every run segment, also a diverged or interrupted one
+<out_dir>/<name>/<arm>.lock   held while a process runs the arm (``stabilitylab.runlock``)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -29,16 +31,41 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
+from stabilitylab import runlock
 from stabilitylab.config import Config, to_dict
 from stabilitylab.telemetry import perplexity
 
 
 def arm_dir(cfg: Config, arm: str) -> Path:
     return Path(cfg.out_dir) / cfg.name / arm
+
+
+@contextlib.contextmanager
+def hold(dirs: Iterable[Path]) -> Iterator[None]:
+    """Hold the locks of ``dirs`` (``runlock.hold``) for the block: on the main process, which
+    alone writes the shared files; its verdict is broadcast, so that with another process on the
+    run every process of this one raises ``RunBusy`` before any work."""
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    with contextlib.ExitStack() as stack:
+        busy = [None]
+        if state.is_main_process:
+            try:
+                stack.enter_context(runlock.hold(dirs))
+            except runlock.RunBusy as e:
+                busy[0] = str(e)
+        if state.num_processes > 1:
+            busy = broadcast_object_list(busy)
+        if busy[0] is not None:
+            raise runlock.RunBusy(busy[0])
+        yield
 
 
 def _git(args: list[str]) -> str | None:

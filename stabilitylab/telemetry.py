@@ -113,13 +113,35 @@ class LogitMonitor:
 
     @staticmethod
     def to_scalars(max_LH: list[list[float]]) -> dict[str, float]:
+        """Per head, per layer (max over heads) and overall (max over layers); a NaN head makes
+        its layer's and the overall value NaN (``max_keep_nan``)."""
         out = {}
         for i, row in enumerate(max_LH):
-            out[tags.layer(tags.MAX_LOGIT_LAYER, i)] = max(row)
+            out[tags.layer(tags.MAX_LOGIT_LAYER, i)] = max_keep_nan(row)
             for h, v in enumerate(row):
                 out[tags.head(i, h)] = v
-        out[tags.MAX_LOGIT] = max(max(r) for r in max_LH)
+        out[tags.MAX_LOGIT] = max_keep_nan([v for row in max_LH for v in row])
         return out
+
+
+def max_keep_nan(values) -> float:
+    """The max of ``values``, NaN if any is NaN. Python's ``max`` drops a NaN that is not first
+    (``max(0.0, nan) == 0.0``): a head whose logits broke would vanish from every aggregate."""
+    values = [float(v) for v in values]
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
+
+
+def all_reduce_max_keep_nan(x: torch.Tensor, all_reduce_max) -> torch.Tensor:
+    """Elementwise max of ``x`` over processes, NaN where any process has a NaN.
+
+    ``all_reduce_max(t)`` reduces ``t`` in place with MAX (``torch.distributed.all_reduce``);
+    a MAX reduction need not keep NaN (``fmax``-like, or order-dependent), so each NaN travels as
+    a 0/1 flag beside the values, in the same call.
+    """
+    nan = torch.isnan(x)
+    both_2X = torch.stack([torch.where(nan, -math.inf, x), nan.to(x.dtype)])
+    all_reduce_max(both_2X)
+    return torch.where(both_2X[1] > 0, math.nan, both_2X[0])
 
 
 def first_nonfinite_module(model: nn.Module, run_forward) -> str | None:

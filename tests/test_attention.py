@@ -26,24 +26,37 @@ def seed() -> int:
     return s
 
 
+GPU_DEFAULT = {(False, None, None, "padded"), (True, "BHT", -1.5, "full")}
+"""The CUDA cases of each Triton backend in ``pytest -m gpu``: (causal, key bias, sigmoid bias,
+lengths). Each case compiles and autotunes a kernel specialisation of its own, and the kernels'
+own tests (tests/test_kernels.py, tests/test_softmax_kernel.py) sweep causal masking and the key
+bias; here one plain case and one with every feature check the backend's wiring. The other 22
+per backend are exhaustive."""
+LENGTHS = {"padded": (37, 20, 1), "full": (37, 37, 37)}
+
+
 def _reference_cases() -> list:
-    """(backend, device, causal, key bias kind): every backend on CPU tensors, the Triton ones in
-    the interpreter without causal masking or a key bias only (tests/test_kernels.py covers those
-    there), and on CUDA with all of them."""
+    """(backend, device, causal, key bias kind, sigmoid bias, lengths): every backend on CPU
+    tensors, the Triton ones in the interpreter without causal masking or a key bias only
+    (tests/test_kernels.py covers those there), and on CUDA with all of them (``GPU_DEFAULT`` by
+    default, the rest exhaustive)."""
     cases = []
     for name in available():
         for causal in (False, True):
             for kind in (None, "BT", "BHT"):
-                tag = f"{name}-{'causal' if causal else 'full'}-{kind or 'nobias'}"
-                if "-triton" not in name:
-                    cases.append(pytest.param(name, "cpu", causal, kind, id=f"{tag}-cpu"))
-                    continue
-                if not causal and kind is None:
-                    marks = pytest.mark.interpreter
-                    cases.append(
-                        pytest.param(name, "cpu", causal, kind, marks=marks, id=f"{tag}-cpu")
-                    )
-                cases.append(pytest.param(name, "cuda", causal, kind, marks=GPU, id=f"{tag}-cuda"))
+                for bias in (None, -1.5):
+                    for lens in LENGTHS:
+                        tag = f"{lens}-{bias}-{name}-{'causal' if causal else 'full'}-{kind or 'nobias'}"  # fmt: skip
+                        args = (name, causal, kind, bias, LENGTHS[lens])
+                        if "-triton" not in name:
+                            cases.append(pytest.param(args[0], "cpu", *args[1:], id=f"{tag}-cpu"))
+                            continue
+                        if not causal and kind is None:
+                            marks = pytest.mark.interpreter
+                            cases.append(pytest.param(args[0], "cpu", *args[1:], marks=marks, id=f"{tag}-cpu"))  # fmt: skip
+                        default = (causal, kind, bias, lens) in GPU_DEFAULT
+                        marks = GPU if default else [*GPU, pytest.mark.exhaustive]
+                        cases.append(pytest.param(args[0], "cuda", *args[1:], marks=marks, id=f"{tag}-cuda"))  # fmt: skip
     return cases
 
 
@@ -100,9 +113,7 @@ def _key_bias(kind, B, H, T, seed):
     return {f"key_bias_{kind}": torch.log(gate + 1e-8)}
 
 
-@pytest.mark.parametrize("name, device, causal, key_bias", _reference_cases())
-@pytest.mark.parametrize("bias", [None, -1.5])
-@pytest.mark.parametrize("lens", [(37, 20, 1), (37, 37, 37)], ids=["padded", "full"])
+@pytest.mark.parametrize("name, device, causal, key_bias, bias, lens", _reference_cases())
 def test_backend_matches_float64_reference(name, device, causal, key_bias, bias, lens, seed):
     """Every backend on odd lengths with padding, causal or not, with or without a per-key bias
     (shared or per head): its output and max |logit| against float64 maths."""
@@ -135,16 +146,30 @@ def test_backend_matches_float64_reference(name, device, causal, key_bias, bias,
     torch.testing.assert_close(stats.double(), exact, atol=1e-4, rtol=1e-5, msg=f"seed {seed}")
 
 
-GRAD_BACKENDS = ["softmax", "softmax-reference", "sigmoid-reference",
-                 pytest.param("softmax-flex", marks=pytest.mark.gpu),
-                 pytest.param("sigmoid-triton", marks=GPU),
-                 pytest.param("softmax-triton", marks=GPU),
-                 pytest.param("sigmoid-triton-exact", marks=GPU)]  # fmt: skip
+GRAD_GPU_DEFAULT = {
+    ("softmax-flex", True, "BHT"), ("sigmoid-triton", False, "BT"), ("sigmoid-triton", True, "BHT"),
+    ("softmax-triton", True, "BT"), ("sigmoid-triton-exact", True, "BT"),
+}  # fmt: skip
+"""The CUDA cases in ``pytest -m gpu``: each GPU backend once with causal masking, and the fast
+sigmoid without it too (the bias's gradient on both kernels' paths); the other 11 exhaustive."""
 
 
-@pytest.mark.parametrize("name", GRAD_BACKENDS)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("kind", ["BT", "BHT"])
+def _grad_cases() -> list:
+    """(backend, causal, key bias kind): the eager backends on CPU, every case; the GPU ones
+    (FlexAttention, the Triton kernels) on CUDA, ``GRAD_GPU_DEFAULT`` by default."""
+    cases = []
+    for kind in ("BT", "BHT"):
+        for causal in (False, True):
+            for name in ("softmax", "softmax-reference", "sigmoid-reference", "softmax-flex",
+                         "sigmoid-triton", "softmax-triton", "sigmoid-triton-exact"):  # fmt: skip
+                marks = []
+                if name == "softmax-flex" or "-triton" in name:
+                    marks = GPU if (name, causal, kind) in GRAD_GPU_DEFAULT else [*GPU, pytest.mark.exhaustive]  # fmt: skip
+                cases.append(pytest.param(name, causal, kind, marks=marks, id=f"{kind}-{causal}-{name}"))  # fmt: skip
+    return cases
+
+
+@pytest.mark.parametrize("name, causal, kind", _grad_cases())
 def test_key_bias_gradient_matches_float64_autograd(name, causal, kind):
     """d key_bias (and dq, dk, dv) from each backend against autograd through float64 maths: the
     gate learns through this gradient (sum over queries, and heads for key_bias_BT). The Triton

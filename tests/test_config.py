@@ -338,13 +338,18 @@ def _pyproject() -> dict:
 
 
 def test_every_package_folder_is_installed():
-    """A subpackage missing from the list installs nowhere with ``pip install .`` (not editable)."""
+    """A subpackage missing from the list installs nowhere with ``pip install .`` (not editable).
+    A folder of data files only (the sample shards) is listed too, with its files, or setuptools
+    warns that it would be ignored."""
     tool = _pyproject()["tool"]["setuptools"]
     found = set()
     for package, folder in tool["package-dir"].items():
         for init in (ROOT / folder).rglob("__init__.py"):
             found.add(".".join([package, *init.parent.relative_to(ROOT / folder).parts]))
-    assert found == set(tool["packages"])
+    data_only = set(tool["package-data"]) - found
+    assert data_only == {"stabilitylab.data.text.sample"}
+    assert (ROOT / "stabilitylab" / "data" / "text" / "sample" / "meta.json").is_file()
+    assert found | data_only == set(tool["packages"])
 
 
 def test_console_entry_points_resolve_and_answer_help(capsys):

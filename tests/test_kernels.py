@@ -4,7 +4,7 @@ Criterion (the field's): err(kernel, ref64) <= 2 * err(torch at the kernel's dty
 3x for gradients; max abs errors. CPU runs use Triton's interpreter (TRITON_INTERPRET=1 set per test,
 read by the launchers at call time, so import order within one pytest process does not matter);
 the same tests run the compiled kernels with the production autotune configs on CUDA. bf16 runs
-only on CUDA: the interpreter's bf16 tl.dot is wrong (shared/notes/triton-interpreter.md).
+only on CUDA: the interpreter's bf16 tl.dot is wrong (triton 3.6 and 3.9, measured 2026-11-29).
 
 Padded positions of every kernel input (and of the incoming gradient) are filled with NaN: the
 kernels must never read them. Inputs are drawn fresh per test; the seed is printed for replay.
@@ -62,22 +62,35 @@ SHAPES = {
 }
 
 
+GPU_DEFAULT = {
+    (torch.bfloat16, "ptr", 64), (torch.bfloat16, "ptr", 128), (torch.bfloat16, "tma", 128),
+    (torch.float16, "ptr", 128), (torch.float32, "ptr", 64),
+}  # fmt: skip
+"""The GPU cases of the reference test in ``pytest -m gpu``: each dtype once, bf16 (the training
+dtype) at both head dims with pointer loads and at head dim 128 (its TMA lever) with TMA loads.
+Every GPU case compiles and autotunes its kernels at five new lengths (13-27 s each on an H100);
+the other three are exhaustive."""
+
+
 def _cases() -> list:
-    """(device, dtype, loads) for the reference test. ``loads``: pointer loads (the op below
+    """(device, dtype, loads, D) for the reference test. ``loads``: pointer loads (the op below
     T = 4096, as at these T) or TMA loads (the op from T = 4096; forced here by lowering
     ``TMA_MIN_T``). Each device's main 16-bit dtype (bf16; fp16 in the interpreter) runs both
-    load paths, the other dtypes pointer loads; their TMA runs are exhaustive."""
+    load paths, the other dtypes pointer loads; their TMA runs are exhaustive, and on the GPU the
+    cases outside ``GPU_DEFAULT``."""
     cases = []
     for device, main in (("cpu", torch.float16), ("cuda", torch.bfloat16)):
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             if device == "cpu" and dtype == torch.bfloat16:
                 continue  # the interpreter's bf16 tl.dot is wrong
             for loads in ("ptr", "tma"):
-                marks = list(gpu) if device == "cuda" else []
-                if loads == "tma" and dtype != main:
-                    marks.append(pytest.mark.exhaustive)
-                name = f"{device}-{str(dtype).removeprefix('torch.')}-{loads}"
-                cases.append(pytest.param(device, dtype, loads, marks=marks, id=name))
+                for D in (64, 128):
+                    marks = list(gpu) if device == "cuda" else []
+                    sweep = device == "cuda" and (dtype, loads, D) not in GPU_DEFAULT
+                    if (loads == "tma" and dtype != main) or sweep:
+                        marks.append(pytest.mark.exhaustive)
+                    name = f"{device}-{str(dtype).removeprefix('torch.')}-{loads}-{D}"
+                    cases.append(pytest.param(device, dtype, loads, D, marks=marks, id=name))
     return cases
 
 
@@ -143,8 +156,7 @@ def _gate_bias(kind, B, H, T, lengths_B, gen, device):
     return {name: clean}, {name: clean.masked_fill(~valid, float("nan"))}
 
 
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("device, dtype, loads", _cases(), indirect=["device"])
+@pytest.mark.parametrize("device, dtype, loads, D", _cases(), indirect=["device"])
 def test_matches_reference(device, dtype, loads, D, monkeypatch):
     """Output, gradients and fused max|logit| for every length case (padded, length 1, all but
     one padded, whole tiles, unpadded: the dense kernels), in one test so that parallel GPU
@@ -256,22 +268,29 @@ GATED = {
 }
 
 
+GATED_GPU_DEFAULT = {(torch.bfloat16, "ptr", 64), (torch.bfloat16, "tma", 128)}
+"""The GPU cases of the causal / key-bias test in ``pytest -m gpu``: bf16 once per load path and
+head dim (``pytest -m gpu`` ran past 300 s on an H200 with fp16 and fp32 in it, and 101 tests
+took 270 s on an H100 with all four bf16 cases)."""
+
+
 def _gated_cases() -> list:
-    """(device, dtype, loads) for the causal / key-bias test: each device's main 16-bit dtype on
-    both load paths; on the GPU also fp16 and fp32 (pointer loads), exhaustive (``pytest -m gpu``
-    ran past 300 s on an H200 with them in the default set)."""
-    cases = [pytest.param("cpu", torch.float16, loads, id=f"cpu-float16-{loads}")
-             for loads in ("ptr", "tma")]  # fmt: skip
+    """(device, dtype, loads, D) for the causal / key-bias test: each device's main 16-bit dtype
+    on both load paths at both head dims; on the GPU also fp16 and fp32 (pointer loads), and the
+    cases outside ``GATED_GPU_DEFAULT``, exhaustive."""
+    cases = [pytest.param("cpu", torch.float16, loads, D, id=f"cpu-float16-{loads}-{D}")
+             for loads in ("ptr", "tma") for D in (64, 128)]  # fmt: skip
     for dtype, loads in ((torch.bfloat16, "ptr"), (torch.bfloat16, "tma"),
                          (torch.float16, "ptr"), (torch.float32, "ptr")):  # fmt: skip
-        name = f"cuda-{str(dtype).removeprefix('torch.')}-{loads}"
-        marks = gpu if dtype == torch.bfloat16 else [*gpu, pytest.mark.exhaustive]
-        cases.append(pytest.param("cuda", dtype, loads, marks=marks, id=name))
+        for D in (64, 128):
+            name = f"cuda-{str(dtype).removeprefix('torch.')}-{loads}-{D}"
+            default = (dtype, loads, D) in GATED_GPU_DEFAULT
+            marks = gpu if default else [*gpu, pytest.mark.exhaustive]
+            cases.append(pytest.param("cuda", dtype, loads, D, marks=marks, id=name))
     return cases
 
 
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("device, dtype, loads", _gated_cases(), indirect=["device"])
+@pytest.mark.parametrize("device, dtype, loads, D", _gated_cases(), indirect=["device"])
 def test_causal_and_key_bias_match_reference(device, dtype, loads, D, monkeypatch):
     """Causal masking and the per-key bias (with its gradient), alone and together, on odd lengths
     with padding and on an unpadded batch (at head dim 128 in 16 bits: the dense kernels); on the
@@ -444,6 +463,54 @@ def test_max_logit_is_nan_where_a_score_is_nan(device):
             torch.testing.assert_close(
                 got.double(), want.double(), rtol=1e-4, atol=1e-5, equal_nan=True, msg=where
             )
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter
+def test_an_inf_in_a_valid_position_gives_what_the_reference_gives(device):
+    """An inf in q (or k) makes its logits +-inf: the reference gives max|logit| = inf and, for
+    sigmoid, a finite output (sigmoid(+-inf) is 1 or 0). The kernels read padding as zeros, and
+    q . 0 = inf * 0 = NaN: before the fix, that NaN reached the max (NaN instead of inf) and the
+    sigmoid output of the inf row, whenever the last key tile held keys past L (padding, or a T
+    that is not a multiple of the tile). Now padding never reaches a result: the kernels agree
+    with the reference on which values are NaN / inf, and on the finite ones. Sigmoid (general
+    and dense forwards, causal or not), softmax and the standalone max."""
+    from stabilitylab.kernels import softmax_attention
+    from stabilitylab.kernels.reference import softmax_attention_reference
+
+    def pattern(x):
+        return x.isnan().to(torch.int8) + 2 * x.isinf().to(torch.int8)
+
+    def agree(got, want, what):
+        assert torch.equal(pattern(got), pattern(want)), f"{what}: {got.flatten()[:8]}"
+        finite = torch.isfinite(want)
+        err = (got.double()[finite] - want[finite]).abs().max().item()
+        assert err < 1e-2, f"{what}: max error {err}"
+
+    gen = _generator(device)
+    for case in ("odd", "full"):
+        T, lengths = SHAPES[device][case]
+        for inf_in in ("q", "k"):
+            (q, k, v), _, lengths_B = _inputs(2, 2, T, 128, lengths, torch.float16, device, gen)
+            (q, k) = (t.abs() for t in (q, k))  # one sign for every term: a logit is +inf, no NaN
+            (q if inf_in == "q" else k)[:, 1, 2, 0] = float("inf")
+            q64, k64, v64 = (t.double() for t in (q, k, v))
+            for causal in (False, True):
+                where = f"{case}, inf in {inf_in}, causal={causal}"
+                want_max = max_abs_logit_reference(q64, k64, lengths_B, causal=causal)
+                assert want_max[:, 1].isinf().all() and want_max[:, 0].isfinite().all()
+                out, mx = sigmoid_attention(
+                    q, k, v, lengths_B, return_max_logit=True, causal=causal
+                )
+                ref = sigmoid_attention_reference(q64, k64, v64, lengths_B, causal=causal)
+                agree(out, ref, f"sigmoid out, {where}")
+                agree(mx, want_max, f"sigmoid max, {where}")
+                out, mx = softmax_attention(
+                    q, k, v, lengths_B, return_max_logit=True, causal=causal
+                )
+                ref = softmax_attention_reference(q64, k64, v64, lengths_B, causal=causal)
+                agree(out, ref, f"softmax out, {where}")
+                agree(mx, want_max, f"softmax max, {where}")
+                agree(max_abs_logit(q, k, lengths_B, causal=causal), want_max, f"max, {where}")
 
 
 def _bad_inputs(device):

@@ -16,7 +16,7 @@ skeleton (padding by lengths, as the sigmoid op). On request, ``sigmoid-triton-d
 flash's deterministic backward), the mode on for its own calls only. Softmax baselines get a
 key-padding mask where they support one (cuDNN: boolean mask; flash: none, so padded rows are
 skipped; FlexAttention: a block mask that skips padded blocks). Expected on an H200
-(shared/notes/kernel-levers.md): cuDNN ~445 fwd TFLOPS at hd64, ~600 at hd128.
+(docs/BENCHMARKS.md): cuDNN ~445 fwd TFLOPS at hd64, ~600 at hd128.
 
     # the deterministic paths against cuDNN and flash in one run (a few minutes on an H200):
     python experiments/bench/bench_attention.py --seq-lens 4096 8192 --paddings 0 \

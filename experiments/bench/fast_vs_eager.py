@@ -1,9 +1,9 @@
 """The fast step (train.fast) against the eager one: the same loss curve over 200 steps of the
 smoke and proxy presets, both arms, on one GPU; or of KV-eviction cells (their gated decoder).
 
-    python experiments/bench/fast_vs_eager.py --out results/bench/fast_vs_eager
+    python experiments/bench/fast_vs_eager.py                  # -> runs/bench/fast_vs_eager
     python experiments/bench/fast_vs_eager.py --presets reduced --cells sig-g-rope sm-g-rope \
-        --steps 100 --out results/bench/fast_vs_eager_kv     # needs `make data`
+        --steps 100 --out runs/bench/fast_vs_eager_kv     # needs `make data`
 
 Each (preset, run) trains in a process of its own, all at once (compiles use their own CPU
 cores): eager, fast, and two noise yardsticks for the eager curve: eager again (SDPA's backward
@@ -116,7 +116,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("results/bench/fast_vs_eager"))
+    p.add_argument("--out", type=Path, default=Path("runs/bench/fast_vs_eager"))
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--presets", nargs="+", default=["smoke", "proxy"])
     p.add_argument(

@@ -1,6 +1,6 @@
 """Jacobian of a whole toy attention layer, x -> P(x W_Q (x W_K)^T / sqrt(d)) x W_V, w.r.t. x.
 
-    python experiments/probes/attention_layer.py      # ~30 s on a laptop CPU; writes results/probes/attention_layer.{csv,png}
+    python experiments/probes/attention_layer.py      # ~30 s on a laptop CPU; writes runs/probes/attention_layer.{csv,png}
 
 Exact spectral norms (autograd, float64) for softmax and sigmoid (b = -log n), QK-LayerNorm off
 and on, (a) as the input scale grows at n = 16, so scores grow like scale^2, and (b) as n grows at
@@ -75,7 +75,12 @@ def main() -> None:
     p.add_argument("--draws", type=int, default=8, help="random (x, W) draws per point")
     p.add_argument("--scale-ranges", default="0.1:1,1:10,10:31.7")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/probes"))
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/probes"),
+        help="output folder (results/probes: the record)",
+    )
     args = p.parse_args()
     if max(args.ns + [args.n]) > 64:
         raise SystemExit("error: n must be <= 64 (exact Jacobians of size (n*dim)^2)")

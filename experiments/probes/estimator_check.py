@@ -1,6 +1,6 @@
 """Power iteration (JVP/VJP only) vs the exact spectral norm, on toy attention layers.
 
-    python experiments/probes/estimator_check.py      # ~20 s on a laptop CPU; writes results/probes/estimator_check.{csv,png}
+    python experiments/probes/estimator_check.py      # ~20 s on a laptop CPU; writes runs/probes/estimator_check.{csv,png}
 
 Cases: softmax / sigmoid, QK-LN off / on, n in {8, 32}, input scales 0.3 .. 10. For each, the
 relative error after a fixed number of iterations. Expected: within 1% of exact everywhere at
@@ -34,7 +34,12 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--tolerance", type=float, default=0.01, help="pass mark on the relative error")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/probes"))
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/probes"),
+        help="output folder (results/probes: the record)",
+    )
     args = p.parse_args()
     if max(args.ns) > 64:
         raise SystemExit("error: --ns must be <= 64 (exact Jacobians at toy sizes)")

@@ -1,6 +1,6 @@
 """Jacobian of the score map alone: softmax(s) vs sigmoid(s - log n), one row of scores.
 
-    python experiments/probes/score_map.py            # ~20 s on a laptop CPU; writes results/probes/score_map.{csv,png}
+    python experiments/probes/score_map.py            # ~20 s on a laptop CPU; writes runs/probes/score_map.{csv,png}
 
 Expected: sigmoid's Jacobian is diagonal (off-diagonal entries exactly 0) with entries <= 1/4;
 softmax's is dense and equals diag(p) - p p^T to rounding. Both spectral norms stay bounded as the
@@ -54,7 +54,12 @@ def main() -> None:
     p.add_argument("--scales", type=float, nargs="+", default=list(np.logspace(-1, 2, 13)))
     p.add_argument("--rows", type=int, default=5, help="random score rows per (n, scale)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/probes"))
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/probes"),
+        help="output folder (results/probes: the record)",
+    )
     args = p.parse_args()
     if max(args.ns) > 64 or min(args.ns) < 2:
         raise SystemExit("error: --ns must lie in [2, 64] (exact Jacobians at toy sizes)")

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from stabilitylab.eviction.cache import LayerCache
-from stabilitylab.eviction.policies import CachePolicy
+from stabilitylab.eviction.policies import CachePolicy, check_counts
 from stabilitylab.kernels.reference import default_scale, sigmoid_bias_B
 from stabilitylab.model import Transformer, apply_rope, gate_key_bias, inference, rope_cos_sin
 
@@ -300,6 +300,7 @@ def check_decode_args(model: Transformer, tokens_BS, prefill: int, keep_BL) -> N
         )
     if keep_BL is None:
         return
+    check_counts(keep_BL, "keep_BL")  # whole entries: the loop below casts to long
     keep_BSL = keep_schedule_BSL(keep_BL, B, S - prefill, model.cfg.n_layers)
     bad = (keep_BSL < 0) | (keep_BSL > S - 1)
     if bool(bad.any()):

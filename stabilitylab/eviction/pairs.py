@@ -52,14 +52,23 @@ def run_pairs(argv: Sequence[str], cfg) -> tuple[int, Path | None]:
     """Every group's process at once, their studies joined, then the decode timed here alone
     (with ``study.timing``); ``(exit code, joined study.md or None)``. The code is the first
     failing child's (0 when all ran)."""
-    from stabilitylab.analysis.kv_study import merge_studies, time_study
-
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError(
             "config study.parallel: one process per pair of cells on one GPU; launch it as one "
             "process (no --num_processes > 1), or drop study.parallel for a multi-process run"
         )
+    from stabilitylab import runlock
+
     run_dir = Path(cfg.out_dir) / cfg.name
+    joined = Path(cfg.study.out_dir or run_dir / "study")
+    # The joined study is this process's before a log is opened; each child holds its cells.
+    with runlock.hold([joined]):
+        return _run_children(argv, cfg, run_dir, joined)
+
+
+def _run_children(argv: Sequence[str], cfg, run_dir: Path, joined: Path) -> tuple[int, Path | None]:
+    from stabilitylab.analysis.kv_study import merge_studies, time_study
+
     run_dir.mkdir(parents=True, exist_ok=True)
     children = []
     for group in cell_groups(cfg.cells):
@@ -77,7 +86,6 @@ def run_pairs(argv: Sequence[str], cfg) -> tuple[int, Path | None]:
     if failed:
         print("\n".join(msg for _, msg in failed), file=sys.stderr)
         return failed[0][0], None
-    joined = Path(cfg.study.out_dir or run_dir / "study")
     paths = merge_studies([out for _, out, _, _ in children], joined)
     if cfg.study.timing:
         print(f"every pair ended; timing the decode alone, into {joined}", flush=True)

@@ -22,15 +22,19 @@ step: the paper's "removed after prefill ... the same rule for each newly writte
   budget (drop the excess after every step), as H2O.
 
 The budget ``keep_B`` (live entries per head, per sequence, for this layer) comes from the caller;
-``protocol.matched_budget`` sets it equal to a gated model's final live count.
+``protocol.matched_budget`` sets it equal to a gated model's final live count. Budgets are whole
+entries (``check_counts``: no NaN, fraction, negative count or bool); tau and ``heavy_fraction``
+are real numbers (``as_real``: Python's or numpy's, never a bool or NaN).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -89,7 +93,34 @@ def check_budget_B(keep_B: torch.Tensor | None, B: int) -> torch.Tensor:
     if keep_B is None or tuple(keep_B.shape) != (B,):
         got = None if keep_B is None else tuple(keep_B.shape)
         raise ValueError(f"a budgeted policy needs keep_B of shape ({B},), got {got}")
+    check_counts(keep_B, "keep_B")
     return keep_B
+
+
+def check_counts(counts, what: str) -> None:
+    """Refuse a budget that is not whole entries: a bool dtype, NaN or inf, a fraction, a
+    negative count (a NaN budget compares false with every rank and would evict nothing; a
+    fraction would be cut to an int without a word). ``counts``: a tensor or an array."""
+    t = torch.as_tensor(counts)
+    if t.dtype == torch.bool or t.is_complex():
+        raise ValueError(f"{what} must hold entry counts (integers), got dtype {t.dtype}")
+    if t.is_floating_point():
+        bad = ~torch.isfinite(t) | (t != torch.round(t))
+        if bool(bad.any()):
+            raise ValueError(
+                f"{what} must hold whole entry counts, got {t[bad].flatten()[0].item()!r} at "
+                f"index {tuple(int(i) for i in bad.nonzero()[0])}"
+            )
+    if bool((t < 0).any()):
+        raise ValueError(f"{what} must hold counts >= 0, got {t[t < 0].flatten()[0].item()!r}")
+
+
+def as_real(x) -> float | None:
+    """``x`` as a float when it is a real number, Python's or numpy's (``np.float32(0.5)``);
+    None for a bool (``True`` is not tau = 1), NaN, a string, a tensor."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real) or math.isnan(x):
+        return None
+    return float(x)
 
 
 # ---- policies ---------------------------------------------------------------------------------
@@ -115,8 +146,10 @@ class GateThreshold:
     needs_budget = False
 
     def __post_init__(self):
-        if not (isinstance(self.tau, (int, float)) and 0.0 <= self.tau <= 1.0):
+        tau = as_real(self.tau)
+        if tau is None or not 0.0 <= tau <= 1.0:
             raise ValueError(f"gate threshold tau must be a number in [0, 1], got {self.tau!r}")
+        object.__setattr__(self, "tau", tau)  # a plain float: names and tables print it alike
 
     @property
     def name(self) -> str:
@@ -135,8 +168,10 @@ class H2O:
     needs_budget = True
 
     def __post_init__(self):
-        if not 0.0 <= self.heavy_fraction <= 1.0:
-            raise ValueError(f"H2O heavy_fraction must be in [0, 1], got {self.heavy_fraction}")
+        heavy = as_real(self.heavy_fraction)
+        if heavy is None or not 0.0 <= heavy <= 1.0:
+            raise ValueError(f"H2O heavy_fraction must be in [0, 1], got {self.heavy_fraction!r}")
+        object.__setattr__(self, "heavy_fraction", heavy)
 
     @property
     def name(self) -> str:

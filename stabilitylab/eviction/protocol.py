@@ -66,7 +66,7 @@ import torch
 from stabilitylab.data.text.windows import EvalWindows, TokenSource
 from stabilitylab.eviction.decode import check_decoder, decode_nll
 from stabilitylab.eviction.masked import masked_decode_nll, supports
-from stabilitylab.eviction.policies import CachePolicy, GateThreshold
+from stabilitylab.eviction.policies import CachePolicy, GateThreshold, check_counts
 from stabilitylab.model import Transformer
 
 TAU_GRID = (0.0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
@@ -330,9 +330,7 @@ def evaluate(
 
 
 def check_grid(grid) -> tuple[float, ...]:
-    taus = tuple(float(t) for t in grid)
-    for t in taus:
-        GateThreshold(t)  # names a tau outside [0, 1]
+    taus = tuple(GateThreshold(t).tau for t in grid)  # names a bool, NaN, or tau outside [0, 1]
     if 0.0 not in taus:
         raise ValueError(f"the tau grid must contain 0 (the model's own reference), got {taus}")
     if len(set(taus)) != len(taus):
@@ -565,6 +563,9 @@ class Budget:
             raise ValueError(f"budget mode must be one of {BUDGET_MODES}, got {self.mode!r}")
         if self.mode != "final" and self.live_NSL is None:
             raise ValueError(f"a {self.mode} budget needs the gate's per-step live counts")
+        check_counts(self.live_NL, "budget live_NL")  # whole entries: no NaN, no fraction
+        if self.live_NSL is not None:
+            check_counts(self.live_NSL, "budget live_NSL")
 
     @property
     def label(self) -> str:

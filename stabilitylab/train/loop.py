@@ -432,17 +432,24 @@ def _sdpa_kernels(a: Arm) -> dict[str, str]:
 
 def train_arm(cfg: Config, arm: str, data: TaskData | None = None) -> dict:
     """Train one arm (or cell) of ``cfg``; returns its summary."""
-    data = data if data is not None else open_data(cfg)
-    summary, accelerator, _ = _train_arm(cfg.arm_config(arm), arm, data)
+    with runs.hold([runs.arm_dir(cfg, arm)]):
+        data = data if data is not None else open_data(cfg)
+        summary, accelerator, _ = _train_arm(cfg.arm_config(arm), arm, data)
     return summary
 
 
 def run(cfg: Config) -> dict[str, dict]:
-    """Every arm of ``cfg`` in turn, then (main process) the analysis report over them."""
+    """Every arm of ``cfg`` in turn, then (main process) the analysis report over them; the arm
+    dirs locked for the whole run (``runs.hold``: another process on one of them is refused)."""
     from accelerate import PartialState
 
     cuda = torch.cuda.is_available()
     check(cfg, PartialState(cpu=not cuda).num_processes, cuda)
+    with runs.hold([runs.arm_dir(cfg, a) for a in cfg.arms()]):  # before a file is written
+        return _run(cfg)
+
+
+def _run(cfg: Config) -> dict[str, dict]:
     data = open_data(cfg)
     warmstart.check_vocab(cfg, data.vocab_size)
     summaries = {}

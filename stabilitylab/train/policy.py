@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from stabilitylab.analysis.detectors import diverged
+from stabilitylab.telemetry import max_keep_nan
 
 MAX_CONSECUTIVE_NONFINITE = 20
 
@@ -33,6 +34,7 @@ class History:
     loss: list[float] = field(default_factory=list)
     grad_norm: list[float] = field(default_factory=list)
     max_logit: float = 0.0
+    """Max |attention logit| over every logged step; NaN once one was NaN (it stays NaN)."""
     nonfinite_steps: list[int] = field(default_factory=list)
     wall_time_s: float = 0.0
     """Training time of every run segment that led here (resumes add up)."""
@@ -50,7 +52,7 @@ class History:
         self.loss.append(loss)
         self.grad_norm.append(grad_norm)
         if max_LH is not None:
-            self.max_logit = max(self.max_logit, max(max(row) for row in max_LH))
+            self.max_logit = max_keep_nan([self.max_logit, *(v for row in max_LH for v in row)])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.nonfinite_steps.append(step)
 

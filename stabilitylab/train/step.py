@@ -33,7 +33,7 @@ from stabilitylab.data.batch import Batch
 from stabilitylab.data.loader import StepBatch
 from stabilitylab.model import budget_loss, masked_lm_loss_sum, next_token_loss_sum
 from stabilitylab.probes.gates import GateSums, gate_stats, gate_sums
-from stabilitylab.telemetry import StepTelemetry, global_grad_norm
+from stabilitylab.telemetry import StepTelemetry, all_reduce_max_keep_nan, global_grad_norm
 from stabilitylab.train.build import Trainee
 from stabilitylab.train.fast import summed_ce_fast
 
@@ -202,7 +202,9 @@ def train_step(
         loss_sum = _loss_and_backward(t, data, counts_2[0], tel)
     max_LH = tel.logit.detach(t.raw) if log_logits else None
     if max_LH is not None and t.world > 1:
-        torch.distributed.all_reduce(max_LH, op=torch.distributed.ReduceOp.MAX)
+        max_LH = all_reduce_max_keep_nan(
+            max_LH, lambda x: torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX)
+        )
 
     gn = global_grad_norm(t.params)
     if t.task != "lm":

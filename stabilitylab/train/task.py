@@ -150,11 +150,10 @@ def text_task(cfg: Config, shards: Shards | None = None) -> TaskData:
     if compact is not None:
         vocab["model_id_to_gpt2_id"] = compact.gpt2_ids_N.tolist()
         vocab["eot"] = int(compact.index_V[EOT_ID])
-    split = shards.meta.get("splits", {}).get("train", {})
     facts = {
         "vocab_size": len(compact) if compact is not None else VOCAB_SIZE,
         "train_tokens": int(shards.train.shape[0]),
-        "train_sha256": split.get("sha256"),
+        "train_sha256": shards.sha256["train"],  # the file's, as open_shards computed it
     }
     return TaskData(
         make_micro=NextTokenBatches(train, T, compact),

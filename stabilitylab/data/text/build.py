@@ -66,14 +66,17 @@ def corpus_recipe() -> dict:
     }
 
 
-def corpus_is_current(out_dir: Path) -> bool:
-    """Shards exist, match the current recipe, and have the sizes their meta records."""
+def corpus_state(out_dir: Path) -> str | None:
+    """None when the shards are current: they exist, match the current recipe, and have the
+    sizes, sha256 and id range their meta records (``open_shards``); else why not, in a line."""
     try:
         meta = read_meta(out_dir, "")
-        open_shards(out_dir, "")
-    except DataError:
-        return False
-    return meta.get("recipe") == _fingerprint(corpus_recipe())
+        open_shards(out_dir, "rebuilding it")
+    except DataError as e:
+        return str(e)
+    if meta.get("recipe") != _fingerprint(corpus_recipe()):
+        return f"{out_dir} was built by another recipe; rebuilding it"
+    return None
 
 
 def prepare_corpus(
@@ -82,12 +85,13 @@ def prepare_corpus(
     """Fetch, clean, tokenise and shard the corpus under ``<root>/text``; idempotent."""
     root = data_root(root)
     out_dir = root / CORPUS_DIR
-    if not force and corpus_is_current(out_dir):
+    why = corpus_state(out_dir)
+    if not force and why is None:
         meta = read_meta(out_dir, "")
         log(f"{out_dir} is up to date ({_summary(meta)}); nothing to do")
         return meta
-    if (out_dir / META_FILE).exists():
-        log(f"{out_dir} was built by another recipe or is incomplete; rebuilding it")
+    if why is not None and (out_dir / META_FILE).exists():
+        log(why)  # a changed recipe, a missing, truncated or corrupted file: it is named
     started = time.perf_counter()
     encoder = load_gpt2(fetch_gpt2_bpe(root))
     paths = {}

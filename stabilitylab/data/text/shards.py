@@ -3,7 +3,8 @@
 Layout (nanoGPT's): ``{train,val,test}.bin`` hold GPT-2 token ids as little-endian ``uint16``
 (ids < 50257 < 2^16), read back with ``np.memmap``; the end-of-text token 50256 closes every run
 of contiguous text. ``meta.json`` records the tokenizer, the recipe, per-source and per-split
-token counts and each file's sha256.
+token counts and each file's sha256. ``open_shards`` checks each file against that sha256 and
+its ids against the vocabulary, once per process and file version.
 
 Splits. Each document is cut into passages of about ``passage_chars`` characters at paragraph
 (else sentence, else word) boundaries. Passages are ordered by the sha256 of
@@ -26,7 +27,7 @@ import json
 import os
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -224,6 +225,9 @@ class Shards:
     train: np.ndarray
     val: np.ndarray
     test: np.ndarray
+    sha256: dict[str, str] = field(default_factory=dict)
+    """Each split's sha256 as computed from its file when opened (equal to meta.json's, which
+    ``open_shards`` checked): what a run records as the data it trained on."""
 
     def split(self, name: str) -> np.ndarray:
         if name not in SPLITS:
@@ -247,11 +251,50 @@ def read_meta(path: Path, missing_hint: str) -> dict:
     return meta
 
 
+_scanned: dict[tuple, tuple[str, int]] = {}
+"""(file, size, mtime, inode) -> (sha256, largest id): each file is read once per process."""
+
+
+def scan_split(file: Path) -> tuple[str, int]:
+    """``(sha256, largest token id)`` of a ``uint16`` split file (-1 when empty); computed once
+    per process and file version (its size, mtime and inode), so the corpus is read in full
+    once per run however often it is opened (~0.1 s for the 21 MB corpus)."""
+    st = file.stat()
+    key = (str(file.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _scanned:
+        ids = np.memmap(file, dtype=np.uint16, mode="r") if st.st_size else np.zeros(0, np.uint16)
+        _scanned[key] = (sha256_file(file), int(ids.max()) if ids.size else -1)
+    return _scanned[key]
+
+
+def verify_split(file: Path, meta: dict, name: str, hint: str) -> str:
+    """The split file's sha256, after checking it against meta.json's (a file changed in place,
+    at the same size, is refused) and its ids against the vocabulary (an id >= ``vocab_size``
+    would index past the embedding hours later, at the first step that draws it): one-line
+    ``DataError`` naming the file."""
+    digest, top = scan_split(file)
+    recorded = meta["splits"][name].get("sha256")
+    if recorded and digest != recorded:
+        raise DataError(
+            f"{file}: sha256 {digest[:16]}... differs from the {recorded[:16]}... that "
+            f"{META_FILE} records: the file was changed or corrupted after it was written; {hint}"
+        )
+    vocab_size = int(meta.get("vocab_size", VOCAB_SIZE))
+    if top >= vocab_size:
+        at = int(np.argmax(np.memmap(file, dtype=np.uint16, mode="r") >= vocab_size))
+        raise DataError(
+            f"{file}: token id {top} (first out-of-range id at position {at}) is outside the "
+            f"vocabulary of {vocab_size} ids that {META_FILE} records; {hint}"
+        )
+    return digest
+
+
 def open_shards(path: str | os.PathLike, missing_hint: str) -> Shards:
-    """Memory-map a shard folder; a missing or truncated file is a one-line ``DataError``."""
+    """Memory-map a shard folder. A missing or truncated file, one whose sha256 is not the one
+    meta.json records, or an id outside the vocabulary is a one-line ``DataError``."""
     path = Path(path)
     meta = read_meta(path, missing_hint)
-    arrays = {}
+    arrays, digests = {}, {}
     for name in SPLITS:
         file = path / f"{name}.bin"
         expected = meta["splits"][name]["tokens"]
@@ -261,7 +304,8 @@ def open_shards(path: str | os.PathLike, missing_hint: str) -> Shards:
                 f"{file}: expected {2 * expected} bytes ({expected} uint16 tokens), found "
                 f"{'no file' if size is None else f'{size} bytes'}; {missing_hint}"
             )
+        digests[name] = verify_split(file, meta, name, missing_hint)
         arrays[name] = (
             np.memmap(file, dtype=np.uint16, mode="r") if expected else np.zeros(0, np.uint16)
         )
-    return Shards(path=path, meta=meta, **arrays)
+    return Shards(path=path, meta=meta, **arrays, sha256=digests)
