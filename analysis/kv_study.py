@@ -424,7 +424,7 @@ def study_report(cfg, device: str | None = None, *, grid=None, progress: bool = 
 
     from stabilitylab.eviction.cells import load_cells
     from stabilitylab.eviction.protocol import TAU_GRID
-    from stabilitylab.eviction.study import run_study, study_inputs
+    from stabilitylab.eviction.study import phase, run_study, study_inputs
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     run_dir = Path(cfg.out_dir) / cfg.name
@@ -433,7 +433,8 @@ def study_report(cfg, device: str | None = None, *, grid=None, progress: bool = 
     torch.manual_seed(cfg.study.seed)
     s = cfg.study
     tables = run_study(cells, inputs, timing=s.timing, repeats=s.timing_repeats).tables()
-    tables.update(probe_study_tables(cfg, cells, run_dir))
+    with phase(f"diagnostics on {cfg.study.probe_windows} test windows"):
+        tables.update(probe_study_tables(cfg, cells, run_dir))
     d = inputs.decode
     header = (
         f"Run `{run_dir}` (preset {cfg.preset}), cells {', '.join(cells)}; decode window: prefill "

@@ -28,8 +28,10 @@ one frozen on the training corpus's validation split).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -163,6 +165,15 @@ def study_inputs(
 # ---- evaluations ------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def phase(what: str):
+    """One line with the seconds a phase of the study took (a GPU session's budget is minutes:
+    the log says where they went, with or without progress bars)."""
+    start = time.perf_counter()
+    yield
+    print(f"study: {what} in {time.perf_counter() - start:.1f} s", flush=True)
+
+
 @dataclass
 class TextOutcome:
     """One gated cell on one text at its frozen tau*: the gate, the baselines, the grid."""
@@ -242,14 +253,16 @@ def text_outcome(cell, backbone, evalset, selection, inputs: StudyInputs, text: 
 def gated_outcome(cell: TrainedCell, cells: dict[str, TrainedCell], inputs: StudyInputs):
     """Sweep on validation, select tau* by the rule, then on each text: the gate at tau*, the
     baselines on the backbone at the matched budget (when the backbone is among ``cells``)."""
-    sweep = sweep_tau(cell.model, inputs.val, inputs.grid, inputs.decode, **inputs.val_kwargs())
+    with phase(f"{cell.name}: validation sweep of {len(inputs.grid)} taus"):
+        sweep = sweep_tau(cell.model, inputs.val, inputs.grid, inputs.decode, **inputs.val_kwargs())
     selection = select_tau(sweep, inputs.rule)
     out = GatedOutcome(cell.name, sweep, selection, dense_backbone(cell.name))
     backbone = cells.get(out.backbone)
     if backbone is None:
         out.note = f"dense backbone {out.backbone} not trained: no baselines"
     for text, ev in inputs.texts().items():
-        out.texts[text] = text_outcome(cell, backbone, ev, selection, inputs, text)
+        with phase(f"{cell.name}: {text} at tau* {selection.tau:g} with baselines and grid"):
+            out.texts[text] = text_outcome(cell, backbone, ev, selection, inputs, text)
     return out
 
 
@@ -443,7 +456,8 @@ def run_study(
     """Every table of the eviction side over ``cells``. ``timing=False`` leaves decode_speed
     empty (no timed runs); ``repeats`` timed runs per gated cell; ``alone``: no other process of
     the study shares the device (decode_speed's ``measured_alone``)."""
-    dense = dense_results(cells, inputs)
+    with phase(f"{len(cells)} cells with nothing evicted"):
+        dense = dense_results(cells, inputs)
     gated = {n: gated_outcome(c, cells, inputs) for n, c in cells.items() if c.gated}
     speed = pd.DataFrame(columns=DECODE_SPEED_COLUMNS)
     if timing:
