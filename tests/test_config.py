@@ -457,9 +457,18 @@ CHECKED = [
     ("train.budget_lambda", C.TrainConfig, {"budget_lambda": -1e-9}),
     *[
         (f"train.{k}", C.TrainConfig, {k: 1})
-        for k in ("deterministic", "fast", "compile", "group_by_length")
+        for k in ("deterministic", "fast", "compile", "group_by_length", "gate_weight_decay")
     ],
     ("train.compile", C.TrainConfig, {"fast": True, "compile": True}),
+    ("train.budget_ref_layers", C.TrainConfig, {"budget_ref_layers": 1}),
+    ("train.budget_ramp", C.TrainConfig, {"budget_ramp": -1e-9}),
+    ("train.budget_ramp", C.TrainConfig, {"budget_ramp": 1.0 + 1e-9}),
+    ("train.min_lr_ratio", C.TrainConfig, {"min_lr_ratio": -1e-9}),
+    ("train.min_lr_ratio", C.TrainConfig, {"min_lr_ratio": 1.0 + 1e-9}),
+    ("train.finetune_steps", C.TrainConfig, {"finetune_steps": -1}),
+    ("train.init_from", C.TrainConfig, {"init_from": 3}),
+    ("telemetry.dead_gate_below", C.TelemetryConfig, {"dead_gate_below": 1.0}),
+    ("telemetry.dead_gate_below", C.TelemetryConfig, {"dead_gate_below": -1e-9}),
     ("train.fast", C.TrainConfig, {"fast": True, "deterministic": True}),
     *[
         (f"telemetry.{k}", C.TelemetryConfig, {k: -1})
