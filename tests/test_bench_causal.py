@@ -8,6 +8,9 @@ import re
 
 import pandas as pd
 import pytest
+import torch
+
+from stabilitylab.analysis import causal_profile as cp
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "bench"
 
@@ -81,8 +84,48 @@ def test_bad_arguments_are_named(bench, capsys):
         (["--rounds", "0"], "--rounds must be >= 1"),
         (["--hidden", "100"], "--hidden must be a multiple of the head dim 64"),
         (["--providers", "cudnn", "flash-sigmoid"], "unknown providers"),
+        (["--profile", "--calls", "0"], "--calls must be >= 1"),
     ]
     for argv, msg in cases:
         with pytest.raises(SystemExit) as exit_info:
             bench.main(argv)
         assert exit_info.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_defaults_cover_the_kv_study_lengths_at_16k_tokens(bench):
+    args = bench.parse_args([])
+    assert args.seq_lens == [512, 1024, 2048, 8192] and args.tokens == 16_384
+    assert args.providers == bench.PROVIDERS and args.bar_min_t == 2048
+    profiled = bench.parse_args(["--profile"])
+    assert profiled.providers == bench.PROFILE_PROVIDERS and profiled.calls == 20
+    x = bench.make_inputs(args.tokens, 128, 1024, "cpu", torch.float32)
+    assert x["q"].shape == (16, 2, 1024, 64)  # B = 16384 / T, H = hidden / 64
+
+
+@pytest.mark.interpreter
+def test_profile_smoke_writes_the_breakdown_of_every_provider_and_phase(bench, tmp_path, capsys,
+                                                                        monkeypatch):  # fmt: skip
+    """--profile on CPU: the leaf aten ops stand in for kernels; the gate's ops land in its roles
+    in the gated variant only, and each call's parts add up to its wall time."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    bench.main(["--smoke", "--profile", "--calls", "1", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    rows = pd.read_csv(tmp_path / "causal_profile.csv")
+    keys = sorted(zip(rows.provider, rows.phase, strict=True))
+    assert keys == sorted((p, ph) for p in bench.PROFILE_PROVIDERS for ph in ("fwd", "bwd"))
+    ran = rows[rows.provider != "cudnn"].set_index(["provider", "phase"])
+    assert (ran.calls == 1).all() and (ran.wall > 0).all() and (ran.wall_unprof > 0).all()
+    parts = ran[list(cp.ROLES)].sum(axis=1)
+    assert ((parts - ran.wall).abs() <= 1e-6 * ran.wall).all(), (parts, ran.wall)
+    for phase in ("fwd", "bwd"):
+        gated, off = ran.loc[("sigmoid-gated", phase)], ran.loc[("sigmoid", phase)]
+        assert gated[cp.LOG_G] > 0 and gated[cp.GV] > 0, (phase, gated)
+        assert off[cp.LOG_G] == 0 and off[cp.GV] == 0 and off[cp.DBIAS] == 0, (phase, off)
+    assert ran.loc[("sigmoid-gated", "bwd"), cp.DBIAS] > 0  # the key bias's sum over heads
+    assert rows[rows.provider == "cudnn"].wall.isna().all()  # CUDA only: NaN, not dropped
+    kernels = pd.read_csv(tmp_path / "causal_profile_kernels.csv")
+    log = kernels[(kernels.kernel == "aten::log") & (kernels.provider == "sigmoid-gated")]
+    assert list(log.role) == [cp.LOG_G] and list(log.phase) == ["fwd"]
+    md = (tmp_path / "causal_profile.md").read_text()
+    assert md.index("### forward") < md.index("### backward") < md.index("### largest kernels")
+    assert out.rstrip().endswith(md.rstrip().splitlines()[-1])

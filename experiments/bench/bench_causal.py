@@ -1,10 +1,11 @@
 """Causal gated attention on one GPU: the fused gated sigmoid kernel against the softmax options.
 
     python experiments/bench/bench_causal.py --out runs/bench_causal          # ~3 min, one H200
-    TRITON_INTERPRET=1 python experiments/bench/bench_causal.py --smoke --out /tmp/bench_causal
+    python experiments/bench/bench_causal.py --profile --out runs/bench_causal  # where the time goes
+    TRITON_INTERPRET=1 python experiments/bench/bench_causal.py --smoke [--profile] --out runs/smoke
 
-Shapes: bf16, head dim 64, 16,384 tokens per batch (B = 16384 / T), T = 512, 2048, 8192, no
-padding, H = hidden / 64 heads with hidden 768 (12 heads, GPT-2 small; ``--hidden``). TFLOPS over
+Shapes: bf16, head dim 64, 16,384 tokens per batch (B = 16384 / T), T = 512, 1024, 2048, 8192 (the
+KV study trains at 512), no padding, H = hidden / 64 heads with hidden 768 (12 heads, GPT-2 small; ``--hidden``). TFLOPS over
 the causal half: forward 4 H D sum_b T (T + 1) / 2, backward 2.5x forward; times are
 ``triton.testing.do_bench`` medians, every provider timed once per round, rounds interleaved.
 "Gated" = the KV-eviction gate g in (0, 1) per key, both halves inside the timed region and its
@@ -30,11 +31,21 @@ per-key bias 285 / 230 and 340 / 277. Writes ``causal.csv`` (one row per provide
 ``causal_bars.csv`` and ``causal.md`` under ``--out``; prints the table and the bars last.
 ``--smoke``: tiny shapes, one timed call each; on CPU (Triton's interpreter) the CUDA-only
 providers are left out. It checks that the script runs, not speed.
+
+``--profile`` (instead of the TFLOPS table): per T and provider (default ``PROFILE_PROVIDERS``:
+gate on, gate off, cuDNN), ``--calls`` forward calls and as many backward calls under
+``torch.profiler``, each ended by a device sync, split by stabilitylab/analysis/causal_profile.py
+into the attention kernels, the gate's elementwise work (log g, g * v, each with its gradient),
+the key bias's sum over heads, the op's other kernels, other kernels, and the host / launch time
+(before the first kernel, idle between kernels, the sync's tail), us per call, beside the same
+calls' unprofiled wall and host medians. Writes ``causal_profile.md`` / ``.csv`` and
+``causal_profile_kernels.csv`` (every kernel with its role) and prints the tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
@@ -46,6 +57,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from stabilitylab.analysis import causal_profile as cp
 from stabilitylab.analysis.bench_report import markdown_table
 from stabilitylab.kernels import sigmoid_attention
 from stabilitylab.kernels.reference import sigmoid_attention_reference
@@ -61,6 +73,7 @@ BARS = [
     ("gate on / gate off", OP, GATE_OFF, 1 / 1.1),
 ]
 HEAD_DIM = 64
+SEQ_LENS = (512, 1024, 2048, 8192)
 
 
 def causal_flops_fwd(B: int, H: int, D: int, T: int) -> float:
@@ -80,10 +93,23 @@ def make_inputs(tokens: int, hidden: int, T: int, device: str, dtype: torch.dtyp
     return {"q": leaves[0], "k": leaves[1], "v": leaves[2], "gate": leaves[3], "lengths": lengths}
 
 
+_RANGES = False
+"""Whether ``marked`` opens profiler ranges (``--profile``); off, timed calls carry none."""
+
+
+def marked(name: str):
+    """A ``record_function`` range named ``name`` while profiling, else nothing."""
+    return torch.autograd.profiler.record_function(name) if _RANGES else contextlib.nullcontext()
+
+
 def gate_halves(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate's two halves as a model applies them: ``(key_bias_BT, g * v)``."""
     gate = x["gate"]
-    return torch.log(gate + 1e-8), x["v"] * gate[:, None, :, None].to(x["v"].dtype)
+    with marked(cp.LOG_G_RANGE):
+        kb = torch.log(gate + 1e-8)
+    with marked(cp.GV_RANGE):
+        gv = x["v"] * gate[:, None, :, None].to(x["v"].dtype)
+    return kb, gv
 
 
 def _sigmoid_gated(x: dict) -> torch.Tensor:
@@ -326,6 +352,87 @@ def accuracy(x: dict) -> str:
     )
 
 
+PROFILE_PROVIDERS = [OP, GATE_OFF, "cudnn"]
+PHASES = ("fwd", "bwd")
+
+
+def in_op_range(fwd: Callable) -> Callable:
+    """``fwd`` with its whole call inside the op's profiler range (the gate's ranges nest in it)."""
+
+    def run(x):
+        with marked(cp.OP_RANGE):
+            return fwd(x)
+
+    return run
+
+
+def profile_provider(fwd, x: dict, calls: int, device: str) -> dict[str, tuple[dict, list]]:
+    """Per phase (``PHASES``): the mean breakdown of a call (``causal_profile.mean_parts``, with
+    the unprofiled ``wall_unprof`` / ``host_unprof`` medians) and its kernel table. The backward
+    is the gradient of q, k, v and the gate, as in the timed bench; one call of each first
+    (autotuning, allocations) outside the measurements."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    fwd = in_op_range(fwd)
+    out = fwd(x)
+    leaves, g = [x["q"], x["k"], x["v"], x["gate"]], torch.randn_like(out)
+    phase_calls = {
+        "fwd": lambda: fwd(x),
+        "bwd": lambda: torch.autograd.grad(out, leaves, g, retain_graph=True, allow_unused=True),
+    }
+    result = {}
+    for phase, call in phase_calls.items():
+        call()
+        wall, host = cp.time_calls(call, calls, sync)
+        events, windows = cp.profile_calls(call, calls, sync, device == "cuda")
+        parts = {**cp.mean_parts(events, windows), "wall_unprof": wall, "host_unprof": host}
+        result[phase] = (parts, cp.kernel_table(events, windows))
+    return result
+
+
+def profile_bench(args, device: str, dtype: torch.dtype) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``--profile``: per T and provider, each phase's breakdown (one row) and its kernels; a
+    provider that cannot run a shape gives rows of NaN."""
+    global _RANGES
+    rows, kernels = [], []
+    nan_parts = {**cp.mean_parts([], []), "wall_unprof": float("nan"), "host_unprof": float("nan")}
+    _RANGES = True
+    try:
+        for T in args.seq_lens:
+            x = make_inputs(args.tokens, args.hidden, T, device, dtype)
+            for name in args.providers:
+                try:
+                    fwd = provider_fn(name, x)
+                    phases = None if fwd is None else profile_provider(fwd, x, args.calls, device)
+                except Exception as e:  # a row of NaN, as in the timed bench
+                    _failed(name, T, e)
+                    phases = None
+                for phase in PHASES:
+                    parts, table = phases[phase] if phases else (nan_parts, [])
+                    key = {"T": T, "provider": name, "phase": phase}
+                    rows.append({**key, **parts})
+                    kernels += [{**key, **k} for k in table]
+                    print(f"{name:14s} T={T:5d} {phase} wall {parts['wall']:8.1f} us, attention "
+                          f"{parts[cp.ATTN]:8.1f} us (profiled)", flush=True)  # fmt: skip
+            del x
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        _RANGES = False
+    return pd.DataFrame(rows), pd.DataFrame(kernels)
+
+
+def profile_report(head: str, calls: int, rows: pd.DataFrame, kernels: pd.DataFrame) -> str:
+    """The breakdown tables (forward, backward) and the largest kernels besides attention."""
+    recs, krecs = rows.to_dict("records"), kernels.to_dict("records")
+    return (
+        f"{head}; us per call: mean of {calls} profiled calls, each ended by a device sync "
+        f"(`unprofiled`: medians of {calls} calls without the profiler; `host`: until the call "
+        f"returned)\n\n### forward\n\n{cp.breakdown_markdown(recs, 'fwd')}\n\n"
+        f"### backward\n\n{cp.breakdown_markdown(recs, 'bwd')}\n\n"
+        f"### largest kernels besides attention\n\n{cp.kernels_markdown(krecs)}\n"
+    )
+
+
 def provenance(device: str) -> str:
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.machine()})"
     versions = (
@@ -343,16 +450,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-lens", nargs="+", type=int, help="T values (default 512 2048 8192)")
     p.add_argument("--hidden", type=int, help="model width; heads = hidden / 64 (default 768)")
     p.add_argument("--tokens", type=int, help="tokens per batch, B = tokens / T (default 16384)")
-    p.add_argument("--providers", nargs="+", default=PROVIDERS)
+    p.add_argument("--providers", nargs="+",
+                   help=f"default: all; with --profile {PROFILE_PROVIDERS}")  # fmt: skip
     smoke_help = "tiny shapes (T 32, 64 tokens, hidden 128), one timed call each"
     p.add_argument("--smoke", action="store_true", help=smoke_help)
+    p.add_argument("--profile", action="store_true",
+                   help="per T and provider, where a call's time goes (torch.profiler), instead "
+                   "of the TFLOPS table: causal_profile.{md,csv}, causal_profile_kernels.csv")  # fmt: skip
+    p.add_argument("--calls", type=int, help="--profile: calls per phase (default 20, smoke 2)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
+    args.calls = args.calls if args.calls is not None else (2 if args.smoke else 20)
+    if args.calls < 1:
+        p.error(f"--calls must be >= 1, got {args.calls}")
+    args.providers = args.providers or (PROFILE_PROVIDERS if args.profile else PROVIDERS)
     unknown = [n for n in args.providers if n not in PROVIDERS]
     if unknown:
         p.error(f"unknown providers {unknown}; choose from {PROVIDERS}")
-    args.seq_lens = args.seq_lens or ([32] if args.smoke else [512, 2048, 8192])
+    args.seq_lens = args.seq_lens or ([32] if args.smoke else list(SEQ_LENS))
     args.hidden = args.hidden or (128 if args.smoke else 768)
     args.tokens = args.tokens or (64 if args.smoke else 16_384)
     if args.hidden % HEAD_DIM:
@@ -374,6 +490,15 @@ def main(argv: list[str] | None = None) -> None:
     head = f"{provenance(device)} | hd {HEAD_DIM}, hidden {args.hidden}, {args.tokens} tokens"
     print(head, flush=True)
     print(accuracy(make_inputs(args.tokens, args.hidden, min(args.seq_lens), device, dtype)))
+    if args.profile:
+        rows, kernels = profile_bench(args, device, dtype)
+        rows.to_csv(os.path.join(args.out, "causal_profile.csv"), index=False)
+        kernels.to_csv(os.path.join(args.out, "causal_profile_kernels.csv"), index=False)
+        text = profile_report(head, args.calls, rows, kernels)
+        with open(os.path.join(args.out, "causal_profile.md"), "w") as f:
+            f.write(text)
+        print("\n" + text)
+        return
     df = bench(args, device, dtype)
     table, bar_table = summary(df), bars(df, args.bar_min_t)
     bar_table.to_csv(os.path.join(args.out, "causal_bars.csv"), index=False)
