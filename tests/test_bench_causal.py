@@ -64,19 +64,39 @@ def test_bars_are_medians_of_per_round_ratios(bench):
         + _rows("flex-gated", 2048, [285, 285, 285], [230, 230, 230])
         + _rows("sdpa-gated", 2048, [200, 300, 200], [100, 100, 100])
         + _rows("cudnn", 2048, [383, 383, 383], [327, 327, 327])
-        + _rows("sigmoid-gated", 512, [1, 1, 1], [1, 1, 1])
     )
-    table = bench.bars(df, 2048).set_index("bar")
-    assert set(table["T"]) == {2048}  # below the bars' T, no rows
+    table = bench.bars(df).set_index("bar")
     fwd_flex = table.loc["fwd sigmoid-gated / flex-gated"]
     assert fwd_flex["median"] == pytest.approx(300 / 285) and fwd_flex["status"] == "met"
     bwd_flex = table.loc["bwd sigmoid-gated / flex-gated"]  # 220 / 230 in one round
     assert bwd_flex["median"] == pytest.approx(240 / 230) and bwd_flex["status"] == "tie"
-    assert table.loc["fwd sigmoid-gated / cudnn", "status"] == "not met"  # 0.78x < 0.9x
-    gate = table.loc["fwd gate on / gate off"]  # 300 / 340 = 0.88 < 1 / 1.1 in one round
-    assert gate["median"] == pytest.approx(300 / 320) and gate["status"] == "tie"
+    off = table.loc["fwd gate off / cudnn"]  # 0.81-0.89x < 0.9x from 1K
+    assert off["median"] == pytest.approx(320 / 383) and off["status"] == "not met"
+    gate = table.loc["fwd gate on / gate off"]  # 300 / 340 = 0.88 >= 1 / 1.15 in every round
+    assert gate["median"] == pytest.approx(300 / 320) and gate["status"] == "met"
+    assert gate["threshold"] == pytest.approx(1 / 1.15)
     assert table.loc["fwd sdpa-gated / flex-gated", "status"] == "flex-gated faster"
     assert table.loc["fwd sdpa-gated / flex-gated", "median"] == pytest.approx(200 / 285)
+
+
+def test_each_bar_applies_from_its_own_T_with_its_threshold(bench):
+    df = pd.DataFrame(
+        [
+            row
+            for T in (256, 512, 1024, 2048)
+            for p in ("sigmoid-gated", "sigmoid", "cudnn")
+            for row in _rows(p, T, [90, 90], [85, 85])
+        ]  # fmt: skip
+    )
+    table = bench.bars(df)
+    at = lambda bar, T: table[(table.bar == f"fwd {bar}") & (table["T"] == T)]
+    assert at("gate off / cudnn", 256).empty  # no bar below 512
+    assert at("gate off / cudnn", 512).iloc[0][["threshold", "status"]].tolist() == [0.8, "met"]
+    assert at("gate off / cudnn", 1024).iloc[0][["threshold", "status"]].tolist() == [0.9, "met"]
+    assert at("gate on / gate off", 1024).empty and len(at("gate on / gate off", 2048)) == 1
+    assert at("sigmoid-gated / flex-gated", 512).iloc[0]["status"] == "no data"  # no flex rows
+    assert bench.bar_threshold(((2048, 0.87),), 32, every_t=True) == 0.87  # a smoke run's T
+    assert bench.bar_threshold(((2048, 0.87),), 32, every_t=False) is None
 
 
 def test_bad_arguments_are_named(bench, capsys):
@@ -95,7 +115,7 @@ def test_bad_arguments_are_named(bench, capsys):
 def test_defaults_cover_the_kv_study_lengths_at_16k_tokens(bench):
     args = bench.parse_args([])
     assert args.seq_lens == [512, 1024, 2048, 8192] and args.tokens == 16_384
-    assert args.providers == bench.PROVIDERS and args.bar_min_t == 2048
+    assert args.providers == bench.PROVIDERS
     profiled = bench.parse_args(["--profile"])
     assert profiled.providers == bench.PROFILE_PROVIDERS and profiled.calls == 20
     x = bench.make_inputs(args.tokens, 128, 1024, "cpu", torch.float32)

@@ -23,9 +23,10 @@ values. Providers:
   diagonal, built per call as a model builds it per layer (the lab's ``softmax`` backend)
 - ``eager-gated``: the PyTorch reference (n x n scores), causal with the key bias
 
-Bars (medians of per-round TFLOPS ratios, T >= 2048): sigmoid-gated >= 1.0x flex-gated forward
-and backward, >= 0.9x cudnn; gate on costs at most 10% (sigmoid-gated >= sigmoid / 1.1); and
-which gated softmax is faster, sdpa-gated or flex-gated. For scale, on an H200 (16K tokens, hd 64):
+Bars (issue 41; medians of per-round TFLOPS ratios, forward and backward): gate off (sigmoid)
+>= 0.9x cudnn from T = 1024, 0.8x at 512; sigmoid-gated >= 1.0x flex-gated at every T; the gate
+costs at most 15% from T = 2048 (sigmoid-gated >= sigmoid / 1.15); and which gated softmax is
+faster, sdpa-gated or flex-gated. For scale, on an H200 (16K tokens, hd 64):
 cuDNN causal 383 / 327 TFLOPS (fwd / bwd) at 2K and 457 / 421 at 8K; FlexAttention causal with a
 per-key bias 285 / 230 and 340 / 277. Writes ``causal.csv`` (one row per provider, T and round),
 ``causal_bars.csv`` and ``causal.md`` under ``--out``; prints the table and the bars last.
@@ -66,11 +67,13 @@ PROVIDERS = ["sigmoid-gated", "sigmoid", "sigmoid-bias", "sigmoid-gv", "cudnn", 
              "flex-gated", "sdpa-gated", "eager-gated"]  # fmt: skip
 CUDA_ONLY = {"cudnn", "flash", "flex-gated"}
 OP, GATE_OFF, FLEX, SDPA = "sigmoid-gated", "sigmoid", "flex-gated", "sdpa-gated"
-# (bar, numerator, denominator, threshold on the TFLOPS ratio); gate cost <= 10% in time.
+# Issue 41's bars: (bar, numerator, denominator, (from T, threshold on the TFLOPS ratio) steps).
+# Gate off at least 0.9x cuDNN from 1K (0.8x at 512); gate on at least Flex gated at every T; the
+# gate costs at most 15% in time against gate off from 2K.
 BARS = [
-    ("sigmoid-gated / flex-gated", OP, FLEX, 1.0),
-    ("sigmoid-gated / cudnn", OP, "cudnn", 0.9),
-    ("gate on / gate off", OP, GATE_OFF, 1 / 1.1),
+    ("gate off / cudnn", GATE_OFF, "cudnn", ((512, 0.8), (1024, 0.9))),
+    ("sigmoid-gated / flex-gated", OP, FLEX, ((512, 1.0),)),
+    ("gate on / gate off", OP, GATE_OFF, ((2048, 1 / 1.15),)),
 ]
 HEAD_DIM = 64
 SEQ_LENS = (512, 1024, 2048, 8192)
@@ -302,18 +305,31 @@ def ratio_row(bar: str, T: int, num: pd.Series, den: pd.Series, threshold: float
             "low": float(ratios.min()), "high": float(ratios.max()), "status": status}  # fmt: skip
 
 
-def bars(df: pd.DataFrame, min_T: int) -> pd.DataFrame:
-    """The bars (``BARS``) at every T >= ``min_T``, forward and backward, and the gated softmax
-    comparison (sdpa-gated / flex-gated TFLOPS: above 1 the float mask is faster)."""
+def bar_threshold(steps: tuple[tuple[int, float], ...], T: int, every_t: bool) -> float | None:
+    """A bar's threshold at ``T``: that of its last step starting at or below T; below its first
+    step None (the bar does not apply), or with ``every_t`` (a smoke run's tiny T) the first's."""
+    applicable = [threshold for start, threshold in steps if start <= T]
+    if applicable:
+        return applicable[-1]
+    return steps[0][1] if every_t else None
+
+
+def bars(df: pd.DataFrame, every_t: bool = False) -> pd.DataFrame:
+    """The bars (``BARS``) at each T where they apply (``bar_threshold``), forward and backward,
+    and at every T the gated softmax comparison (sdpa-gated / flex-gated TFLOPS: above 1 the
+    float mask is faster)."""
     per = df.set_index(["provider", "T", "round"]).sort_index()
     series = lambda name, T, col: (
         per.loc[(name, T)][col] if (name, T) in per.index.droplevel("round") else pd.Series()
     )
     rows = []
-    for T in sorted(t for t in df["T"].unique() if t >= min_T):
+    for T in sorted(df["T"].unique()):
         for kind in ("fwd", "bwd"):
             col = f"{kind}_tflops"
-            for bar, num, den, threshold in BARS:
+            for bar, num, den, steps in BARS:
+                threshold = bar_threshold(steps, T, every_t)
+                if threshold is None:
+                    continue
                 rows.append(ratio_row(f"{kind} {bar}", T, series(num, T, col),
                                       series(den, T, col), threshold))  # fmt: skip
             row = ratio_row(f"{kind} {SDPA} / {FLEX}", T, series(SDPA, T, col),
@@ -473,8 +489,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.tokens = args.tokens or (64 if args.smoke else 16_384)
     if args.hidden % HEAD_DIM:
         p.error(f"--hidden must be a multiple of the head dim {HEAD_DIM}, got {args.hidden}")
-    # The bars hold from 2K; a smoke run reads them at its own T to exercise the code.
-    args.bar_min_t = min(args.seq_lens) if args.smoke else 2048
     return args
 
 
@@ -500,7 +514,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\n" + text)
         return
     df = bench(args, device, dtype)
-    table, bar_table = summary(df), bars(df, args.bar_min_t)
+    table, bar_table = summary(df), bars(df, every_t=args.smoke)
     bar_table.to_csv(os.path.join(args.out, "causal_bars.csv"), index=False)
     text = (f"{head}, {args.rounds} rounds; TFLOPS fwd / bwd over the causal half\n\n"
             f"{markdown_table(table)}\n\n{bars_markdown(bar_table)}\n")  # fmt: skip
