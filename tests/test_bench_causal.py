@@ -42,13 +42,18 @@ def test_smoke_run_writes_rows_and_prints_the_table_and_bars_last(bench, tmp_pat
     fused = float(re.search(r"fused gated ([0-9.e+-]+)", out).group(1))
     assert fused < 1e-5
     # The table, then the bars, printed last.
-    table_at = out.index("| T | sigmoid-gated | sigmoid | sigmoid-bias | sigmoid-gv | cudnn |")
+    in_kernel = float(re.search(r"fused gate in the kernel ([0-9.e+-]+)", out).group(1))
+    assert in_kernel < 1e-5
+    table_at = out.index(
+        "| T | sigmoid-gated | sigmoid-fused-gate | sigmoid | sigmoid-bias | sigmoid-gv | cudnn |"
+    )
     bars_at = out.index("| bar | T | threshold |")
     assert table_at < bars_at
     assert out.rstrip().splitlines()[-1].startswith("| bwd sdpa-gated / flex-gated | 32 |")
     bars = pd.read_csv(tmp_path / "causal_bars.csv")
-    gate = bars[bars.bar == "fwd gate on / gate off"].iloc[0]
-    assert gate["rounds"] == 2 and gate["status"] in ("met", "tie", "not met")
+    for bar in ("fwd gate on / gate off", "bwd fused gate on / gate off"):
+        gate = bars[bars.bar == bar].iloc[0]
+        assert gate["rounds"] == 2 and gate["status"] in ("met", "tie", "not met"), bar
     assert (bars[bars.bar.str.contains("flex-gated")].status == "no data").all()
 
 
@@ -141,6 +146,8 @@ def test_profile_smoke_writes_the_breakdown_of_every_provider_and_phase(bench, t
         gated, off = ran.loc[("sigmoid-gated", phase)], ran.loc[("sigmoid", phase)]
         assert gated[cp.LOG_G] > 0 and gated[cp.GV] > 0, (phase, gated)
         assert off[cp.LOG_G] == 0 and off[cp.GV] == 0 and off[cp.DBIAS] == 0, (phase, off)
+        in_kernel = ran.loc[("sigmoid-fused-gate", phase)]  # no elementwise gate work around it
+        assert in_kernel[cp.LOG_G] == 0 and in_kernel[cp.GV] == 0, (phase, in_kernel)
     assert ran.loc[("sigmoid-gated", "bwd"), cp.DBIAS] > 0  # the key bias's sum over heads
     assert rows[rows.provider == "cudnn"].wall.isna().all()  # CUDA only: NaN, not dropped
     kernels = pd.read_csv(tmp_path / "causal_profile_kernels.csv")

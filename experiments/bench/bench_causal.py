@@ -12,7 +12,10 @@ the causal half: forward 4 H D sum_b T (T + 1) / 2, backward 2.5x forward; times
 gradient in the backward: log(g + 1e-8) added to every query's logit for that key, g * v on the
 values. Providers:
 
-- ``sigmoid-gated``: the lab's fused kernel, causal with ``key_bias_BT`` (gate on)
+- ``sigmoid-gated``: the lab's fused kernel, causal with ``key_bias_BT`` (gate on), as the model
+  calls it today
+- ``sigmoid-fused-gate``: the same kernel given the gate itself (``gate_BT``, opt-in): log g and
+  g * v inside the kernels, the gate's gradient out of the dK/dV kernel, no elementwise kernels
 - ``sigmoid``: the same kernel, causal, no gate (gate off)
 - ``sigmoid-bias``, ``sigmoid-gv``: the gate's cost taken apart: the kernel with the key bias
   ``log(g + 1e-8)`` alone (its loads and its gradient's row sums, v unscaled), and the kernel with
@@ -25,8 +28,8 @@ values. Providers:
 
 Bars (issue 41; medians of per-round TFLOPS ratios, forward and backward): gate off (sigmoid)
 >= 0.9x cudnn from T = 1024, 0.8x at 512; sigmoid-gated >= 1.0x flex-gated at every T; the gate
-costs at most 15% from T = 2048 (sigmoid-gated >= sigmoid / 1.15); and which gated softmax is
-faster, sdpa-gated or flex-gated. For scale, on an H200 (16K tokens, hd 64):
+costs at most 15% from T = 2048 (sigmoid-gated >= sigmoid / 1.15); the same two for
+sigmoid-fused-gate; and which gated softmax is faster, sdpa-gated or flex-gated. For scale, on an H200 (16K tokens, hd 64):
 cuDNN causal 383 / 327 TFLOPS (fwd / bwd) at 2K and 457 / 421 at 8K; FlexAttention causal with a
 per-key bias 285 / 230 and 340 / 277. Writes ``causal.csv`` (one row per provider, T and round),
 ``causal_bars.csv`` and ``causal.md`` under ``--out``; prints the table and the bars last.
@@ -34,7 +37,7 @@ per-key bias 285 / 230 and 340 / 277. Writes ``causal.csv`` (one row per provide
 providers are left out. It checks that the script runs, not speed.
 
 ``--profile`` (instead of the TFLOPS table): per T and provider (default ``PROFILE_PROVIDERS``:
-gate on, gate off, cuDNN), ``--calls`` forward calls and as many backward calls under
+gate on, the gate in the kernel, gate off, cuDNN), ``--calls`` forward calls and as many backward calls under
 ``torch.profiler``, each ended by a device sync, split by stabilitylab/analysis/causal_profile.py
 into the attention kernels, the gate's elementwise work (log g, g * v, each with its gradient),
 the key bias's sum over heads, the op's other kernels, other kernels, and the host / launch time
@@ -63,10 +66,11 @@ from stabilitylab.analysis.bench_report import markdown_table
 from stabilitylab.kernels import sigmoid_attention
 from stabilitylab.kernels.reference import sigmoid_attention_reference
 
-PROVIDERS = ["sigmoid-gated", "sigmoid", "sigmoid-bias", "sigmoid-gv", "cudnn", "flash",
-             "flex-gated", "sdpa-gated", "eager-gated"]  # fmt: skip
+PROVIDERS = ["sigmoid-gated", "sigmoid-fused-gate", "sigmoid", "sigmoid-bias", "sigmoid-gv",
+             "cudnn", "flash", "flex-gated", "sdpa-gated", "eager-gated"]  # fmt: skip
 CUDA_ONLY = {"cudnn", "flash", "flex-gated"}
-OP, GATE_OFF, FLEX, SDPA = "sigmoid-gated", "sigmoid", "flex-gated", "sdpa-gated"
+OP, FUSED, GATE_OFF = "sigmoid-gated", "sigmoid-fused-gate", "sigmoid"
+FLEX, SDPA = "flex-gated", "sdpa-gated"
 # Issue 41's bars: (bar, numerator, denominator, (from T, threshold on the TFLOPS ratio) steps).
 # Gate off at least 0.9x cuDNN from 1K (0.8x at 512); gate on at least Flex gated at every T; the
 # gate costs at most 15% in time against gate off from 2K.
@@ -74,6 +78,8 @@ BARS = [
     ("gate off / cudnn", GATE_OFF, "cudnn", ((512, 0.8), (1024, 0.9))),
     ("sigmoid-gated / flex-gated", OP, FLEX, ((512, 1.0),)),
     ("gate on / gate off", OP, GATE_OFF, ((2048, 1 / 1.15),)),
+    ("sigmoid-fused-gate / flex-gated", FUSED, FLEX, ((512, 1.0),)),
+    ("fused gate on / gate off", FUSED, GATE_OFF, ((2048, 1 / 1.15),)),
 ]
 HEAD_DIM = 64
 SEQ_LENS = (512, 1024, 2048, 8192)
@@ -119,6 +125,11 @@ def _sigmoid_gated(x: dict) -> torch.Tensor:
     kb, v = gate_halves(x)
     out_BHTD, _ = sigmoid_attention(x["q"], x["k"], v, x["lengths"], causal=True, key_bias_BT=kb)
     return out_BHTD
+
+
+def _sigmoid_fused_gate(x: dict) -> torch.Tensor:
+    return sigmoid_attention(x["q"], x["k"], x["v"], x["lengths"], causal=True,
+                             gate_BT=x["gate"])[0]  # fmt: skip
 
 
 def _gate_half(bias: bool) -> Callable:
@@ -186,6 +197,8 @@ def provider_fn(name: str, x: dict) -> Callable[[dict], torch.Tensor] | None:
         return None
     if name == OP:
         return _sigmoid_gated
+    if name == FUSED:
+        return _sigmoid_fused_gate
     if name == GATE_OFF:
         return lambda x: sigmoid_attention(x["q"], x["k"], x["v"], x["lengths"], causal=True)[0]
     if name in ("sigmoid-bias", "sigmoid-gv"):
@@ -360,15 +373,17 @@ def accuracy(x: dict) -> str:
         q.double(), k.double(), vg.double(), lengths, causal=True, key_bias_BT=kb.double()
     )
     fused = sigmoid_attention(q, k, vg, lengths, causal=True, key_bias_BT=kb)[0]
+    in_kernel = sigmoid_attention(q, k, v, lengths, causal=True, gate_BT=gate)[0]
     eager = sigmoid_attention_reference(q, k, vg, lengths, causal=True, key_bias_BT=kb)
     err = lambda out: (out.double() - ref).abs().max().item()
     T = q.shape[2]
     return (
-        f"accuracy T={T}, max abs vs float64: fused gated {err(fused):.2e}, eager {err(eager):.2e}"
+        f"accuracy T={T}, max abs vs float64: fused gated {err(fused):.2e}, fused gate in the "
+        f"kernel {err(in_kernel):.2e}, eager {err(eager):.2e}"
     )
 
 
-PROFILE_PROVIDERS = [OP, GATE_OFF, "cudnn"]
+PROFILE_PROVIDERS = [OP, FUSED, GATE_OFF, "cudnn"]
 PHASES = ("fwd", "bwd")
 
 
