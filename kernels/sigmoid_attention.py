@@ -6,6 +6,9 @@
     scale |q_i . k_j|, no bias of either kind, float32, NaN if any such score is NaN
     backward, P = sigmoid(S): dV = P^T dO, dP = dO V^T, dS = P (1 - P) dP, dQ = scale dS K,
     dK = scale dS^T Q, d kb_j = sum_i dS_ij (per head)
+    fused gate (opt-in, g_j in [0, 1] per key): kb_j = log(g_j + 1e-8) and the values g_j v_j,
+    both inside the kernels; dP = g_j dO v_j^T, dV_j = g_j (P^T dO)_j,
+    d g_j = d kb_j / (g_j + 1e-8) + v_j . (P^T dO)_j (per head)
 
 Layout: q/k/v_BHTD, any (b, h, t) strides, unit stride along D; lengths_B, right padding; maths:
 kernels/reference.py. Loops end at the last valid tile (work ~ sum L^2) and, if causal, at the
