@@ -285,7 +285,7 @@ def bench(args, device: str, dtype: torch.dtype) -> pd.DataFrame:
                 }  # fmt: skip
                 rows.append(row)
                 pd.DataFrame([row]).to_csv(csv, mode="a", header=len(rows) == 1, index=False)
-                print(f"{name:14s} T={T:5d} round {rnd} fwd {row['fwd_tflops']:6.1f} "
+                print(f"{name:18s} T={T:5d} round {rnd} fwd {row['fwd_tflops']:6.1f} "
                       f"bwd {row['bwd_tflops']:6.1f} TFLOPS", flush=True)  # fmt: skip
         del x, fns
         if device == "cuda":
@@ -442,7 +442,7 @@ def profile_bench(args, device: str, dtype: torch.dtype) -> tuple[pd.DataFrame, 
                     key = {"T": T, "provider": name, "phase": phase}
                     rows.append({**key, **parts})
                     kernels += [{**key, **k} for k in table]
-                    print(f"{name:14s} T={T:5d} {phase} wall {parts['wall']:8.1f} us, attention "
+                    print(f"{name:18s} T={T:5d} {phase} wall {parts['wall']:8.1f} us, attention "
                           f"{parts[cp.ATTN]:8.1f} us (profiled)", flush=True)  # fmt: skip
             del x
             if device == "cuda":
