@@ -256,7 +256,8 @@ def fwd_key_tiles(
 ):  # fmt: skip
     """Key tiles [lo, hi) of a forward query tile; ``qk`` holds tile lo's scores on entry and
     tile hi's on exit. ``PAST_L``: the tiles hold keys past L (``accumulate_pv``). ``HAS_GATE``:
-    ``kb_base`` points to the keys' gate g (``gate_affine``), not to a key bias. The scores of key tile j+1 (an asynchronous wgmma on Hopper) are issued
+    ``kb_base`` points to the keys' gate g (``gate_affine``), not to a key bias. The scores of
+    key tile j+1 (an asynchronous wgmma on Hopper) are issued
     before the sigmoid of tile j, so the MUFU works while the tensor cores do: per score the two
     products cost 4 D flops (~990 TFLOPS dense bf16 on an H200) and the sigmoid one MUFU op
     (~3.9 T/s), about as long at D = 64. The tile past the last valid key reads zeros; its scores
