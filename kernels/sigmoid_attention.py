@@ -6,6 +6,9 @@
     scale |q_i . k_j|, no bias of either kind, float32, NaN if any such score is NaN
     backward, P = sigmoid(S): dV = P^T dO, dP = dO V^T, dS = P (1 - P) dP, dQ = scale dS K,
     dK = scale dS^T Q, d kb_j = sum_i dS_ij (per head)
+    fused gate (opt-in, g_j in [0, 1] per key): kb_j = log(g_j + 1e-8) and the values g_j v_j,
+    both inside the kernels; dP = g_j dO v_j^T, dV_j = g_j (P^T dO)_j,
+    d g_j = d kb_j / (g_j + 1e-8) + v_j . (P^T dO)_j (per head)
 
 Layout: q/k/v_BHTD, any (b, h, t) strides, unit stride along D; lengths_B, right padding; maths:
 kernels/reference.py. Loops end at the last valid tile (work ~ sum L^2) and, if causal, at the
@@ -51,6 +54,9 @@ EXACT, TANH_F32 = 0, 1
 # The tile helpers' LOADS for the dense kernels' rank-4 descriptors built on the host; the general
 # kernels pass their TMA flag (False: masked pointer loads, True: descriptors built per (b, h)).
 HOST_TMA = tl.constexpr(2)
+# The fused gate's epsilon in log(g + eps), the KV-eviction paper's (stabilitylab/model.py's
+# GATE_EPS; kernels import nothing from the model).
+GATE_EPS = tl.constexpr(1e-8)
 
 # ---- tile helpers (inlined into the kernels here and in sigmoid_attention_dense.py) -----------
 
@@ -102,6 +108,20 @@ def key_affine(c_s, kb_base, keys, L, HAS_KEY_BIAS: tl.constexpr, SIGMOID: tl.co
     else:
         c = c_s
     return c
+
+
+@triton.jit
+def gate_affine(c_s, g_base, keys, L, SIGMOID: tl.constexpr):
+    """The fused gate of the keys ``keys`` (shaped as in ``key_affine``): ``(c, g)``, c = c_s plus
+    log(g + GATE_EPS), halved in tanh mode as c_s is, and g itself. Padded keys read g = 0: a
+    finite bias (-18.4) and a zero weight p g."""
+    g = tl.load(g_base + keys, mask=keys < L, other=0.0)
+    kb = tl.log(g + GATE_EPS)
+    if SIGMOID == 0:
+        c = c_s + kb
+    else:
+        c = c_s + 0.5 * kb
+    return c, g
 
 
 @triton.jit
@@ -169,21 +189,30 @@ def tile_order(pid, n, CAUSAL: tl.constexpr):
 def accumulate_pv(
     acc, mx_bits, s, v, a_s, c, q_idx, k_idx, L,
     MASK: tl.constexpr, PAST_L: tl.constexpr, SIGMOID: tl.constexpr, RETURN_MAX: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, g=None, HAS_GATE: tl.constexpr = False,
 ):  # fmt: skip
     """One key tile of the forward: ``acc += sigmoid(a s + c) v`` and the running max |s| over
     visible pairs (``hide_future``). ``PAST_L``: the tile holds keys past L, which read as zeros:
     their score q . 0 is 0, but NaN for a q holding an inf (0 * inf), so it is set to 0 here
-    (p v stays 0 as v = 0), and padding never reaches the output or the max."""
+    (p v stays 0 as v = 0), and padding never reaches the output or the max. ``HAS_GATE``: p g
+    in place of p (the keys' gate ``g``), at no extra operation per score: g / (1 + e^-x) in
+    exact mode, t (g / 2) + g / 2 in tanh mode."""
     if PAST_L:
         s = tl.where(k_idx < L, s, 0.0)
     if RETURN_MAX:
         mx_bits = max_abs_bits(mx_bits, hide_future(s, q_idx, k_idx, 0.0, MASK))
     x = s * a_s + c
     if SIGMOID == 0:
-        p = 1.0 / (1.0 + tl.exp(-x))
+        if HAS_GATE:
+            p = g / (1.0 + tl.exp(-x))
+        else:
+            p = 1.0 / (1.0 + tl.exp(-x))
     else:
-        p = 0.5 * tanh_approx(x) + 0.5
+        if HAS_GATE:
+            half_g = 0.5 * g
+            p = tanh_approx(x) * half_g + half_g
+        else:
+            p = 0.5 * tanh_approx(x) + 0.5
     p = hide_future(p, q_idx, k_idx, 0.0, MASK)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, mx_bits
@@ -223,10 +252,12 @@ def fwd_key_tiles(
     a_s, c_s,
     MASK: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
     RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAST_L: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, PAST_L: tl.constexpr = False, HAS_GATE: tl.constexpr = False,
 ):  # fmt: skip
     """Key tiles [lo, hi) of a forward query tile; ``qk`` holds tile lo's scores on entry and
-    tile hi's on exit. ``PAST_L``: the tiles hold keys past L (``accumulate_pv``). The scores of key tile j+1 (an asynchronous wgmma on Hopper) are issued
+    tile hi's on exit. ``PAST_L``: the tiles hold keys past L (``accumulate_pv``). ``HAS_GATE``:
+    ``kb_base`` points to the keys' gate g (``gate_affine``), not to a key bias. The scores of
+    key tile j+1 (an asynchronous wgmma on Hopper) are issued
     before the sigmoid of tile j, so the MUFU works while the tensor cores do: per score the two
     products cost 4 D flops (~990 TFLOPS dense bf16 on an H200) and the sigmoid one MUFU op
     (~3.9 T/s), about as long at D = 64. The tile past the last valid key reads zeros; its scores
@@ -237,12 +268,16 @@ def fwd_key_tiles(
         k = load_tile(k_src, b, h, start_n + BLOCK_N, rows_k, skt, L, offs_d, LOADS)
         v = load_tile(v_src, b, h, start_n, keys, svt, L, offs_d, LOADS)
         keys = keys[None, :]
-        c = key_affine(c_s, kb_base, keys, L, HAS_KEY_BIAS, SIGMOID)
+        if HAS_GATE:
+            c, g = gate_affine(c_s, kb_base, keys, L, SIGMOID)
+        else:
+            c = key_affine(c_s, kb_base, keys, L, HAS_KEY_BIAS, SIGMOID)
+            g = None
         qk_now = qk
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         acc, mx_bits = accumulate_pv(
             acc, mx_bits, qk_now, v, a_s, c, offs_m[:, None], keys, L,
-            MASK, PAST_L, SIGMOID, RETURN_MAX, DOT_PRECISION,
+            MASK, PAST_L, SIGMOID, RETURN_MAX, DOT_PRECISION, g, HAS_GATE,
         )  # fmt: skip
     return acc, mx_bits, qk
 
@@ -252,15 +287,22 @@ def dq_key_tiles(
     dq, q, do, k_src, v_src, kb_base, b, h, lo, hi, offs_m, offs_n, offs_d, skt, svt, L, a_s, c_s,
     MASK: tl.constexpr, HAS_KEY_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
     DOT_PRECISION: tl.constexpr, LOADS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_GATE: tl.constexpr = False,
 ):  # fmt: skip
-    """Key tiles [lo, hi) of a dQ query tile: ``dq += dS K`` (unscaled)."""
+    """Key tiles [lo, hi) of a dQ query tile: ``dq += dS K`` (unscaled). ``HAS_GATE``: the values
+    are g v, so dP = g dO V^T: dS times g per key (one multiply per score)."""
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + offs_n
         k = load_tile(k_src, b, h, start_n, keys, skt, L, offs_d, LOADS)
         v = load_tile(v_src, b, h, start_n, keys, svt, L, offs_d, LOADS)
         keys = keys[None, :]
-        c = key_affine(c_s, kb_base, keys, L, HAS_KEY_BIAS, SIGMOID)
+        if HAS_GATE:
+            c, g = gate_affine(c_s, kb_base, keys, L, SIGMOID)
+        else:
+            c = key_affine(c_s, kb_base, keys, L, HAS_KEY_BIAS, SIGMOID)
         _, ds = p_and_ds(q, k, do, v, a_s, c, offs_m[:, None], keys, MASK, SIGMOID, DOT_PRECISION)
+        if HAS_GATE:
+            ds = ds * g
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
@@ -308,6 +350,7 @@ def _sigmoid_fwd_kernel(
     A_REGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KB=None, skbb=None, skbh=None,
     CAUSAL: tl.constexpr = False, HAS_KEY_BIAS: tl.constexpr = False,
+    HAS_GATE: tl.constexpr = False,
 ):  # fmt: skip
     pid_m = tile_order(tl.program_id(0), tl.num_programs(0), CAUSAL)
     pid_bh = tl.program_id(1)
@@ -356,12 +399,12 @@ def _sigmoid_fwd_kernel(
         acc, mx_bits, qk = fwd_key_tiles(
             acc, mx_bits, qk, q, k_src, v_src, kb_base, b, h, 0, diag, offs_m, offs_n, offs_d,
             skt, svt, L, a_s, c_s, False, HAS_KEY_BIAS, SIGMOID, RETURN_MAX, DOT_PRECISION, TMA,
-            BLOCK_N,
+            BLOCK_N, False, HAS_GATE,
         )  # fmt: skip
         acc, mx_bits, qk = fwd_key_tiles(
             acc, mx_bits, qk, q, k_src, v_src, kb_base, b, h, diag, end, offs_m, offs_n,
             offs_d, skt, svt, L, a_s, c_s, CAUSAL, HAS_KEY_BIAS, SIGMOID, RETURN_MAX,
-            DOT_PRECISION, TMA, BLOCK_N, not CAUSAL,
+            DOT_PRECISION, TMA, BLOCK_N, not CAUSAL, HAS_GATE,
         )  # fmt: skip
     # Padded query rows saw q = 0, so acc holds sigmoid(b) * sum(v) there (NaN for a k holding
     # an inf): zero them, and keep them out of the max.
@@ -388,6 +431,7 @@ def _sigmoid_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KB=None, skbb=None, skbh=None,
     CAUSAL: tl.constexpr = False, HAS_KEY_BIAS: tl.constexpr = False,
+    HAS_GATE: tl.constexpr = False,
 ):  # fmt: skip
     pid_m = tile_order(tl.program_id(0), tl.num_programs(0), CAUSAL)
     pid_bh = tl.program_id(1)
@@ -424,12 +468,13 @@ def _sigmoid_bwd_dq_kernel(
             diag = L
         dq = dq_key_tiles(
             dq, q, do, k_src, v_src, kb_base, b, h, 0, diag, offs_m, offs_n, offs_d, skt, svt, L,
-            a_s, c_s, False, HAS_KEY_BIAS, SIGMOID, DOT_PRECISION, TMA, BLOCK_N,
+            a_s, c_s, False, HAS_KEY_BIAS, SIGMOID, DOT_PRECISION, TMA, BLOCK_N, HAS_GATE,
         )  # fmt: skip
         if CAUSAL:
             dq = dq_key_tiles(
                 dq, q, do, k_src, v_src, kb_base, b, h, diag, end, offs_m, offs_n, offs_d, skt,
                 svt, L, a_s, c_s, True, HAS_KEY_BIAS, SIGMOID, DOT_PRECISION, TMA, BLOCK_N,
+                HAS_GATE,
             )  # fmt: skip
     # Padded query rows have dO = 0, hence dQ = 0 already.
     dq_scale = ds_scale(scale, SIGMOID)
@@ -450,8 +495,12 @@ def _sigmoid_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KB=None, skbb=None, skbh=None, DKB=None,
     CAUSAL: tl.constexpr = False, HAS_KEY_BIAS: tl.constexpr = False,
+    HAS_GATE: tl.constexpr = False,
 ):  # fmt: skip
-    """``DKB``: the key bias's gradient per head, a contiguous (B, H, T) float32 buffer."""
+    """``DKB``: the key bias's gradient per head, a contiguous (B, H, T) float32 buffer.
+    ``HAS_GATE`` (with HAS_KEY_BIAS): KB holds the gate g, the bias is log(g + eps) and the values
+    g v; dP takes g v (scaled once per program), dV = g P^T dO, and DKB receives the gate's
+    gradient per head, d kb / (g + eps) + v . (P^T dO)."""
     pid_n = tl.program_id(0)  # natural order is heaviest first under causal masking too
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -471,6 +520,9 @@ def _sigmoid_bwd_dkdv_kernel(
     dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     dkb = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_GATE:
+        g_n = tl.load(kb_base + offs_n, mask=offs_n < L, other=0.0)
+        dg_v = tl.zeros((BLOCK_N,), dtype=tl.float32)  # v . (P^T dO) per key
     if start_n < L:
         if TMA:
             q_src = tl.make_tensor_descriptor(
@@ -483,19 +535,26 @@ def _sigmoid_bwd_dkdv_kernel(
             q_src, do_src = q_base, do_base
         k = load_rows(k_base, offs_n, skt, L, offs_d)
         v = load_rows(v_base, offs_n, svt, L, offs_d)
-        c = key_affine(c_s, kb_base, offs_n[:, None], L, HAS_KEY_BIAS, SIGMOID)
+        if HAS_GATE:  # dP = dO (g v)^T: the values scaled once, at their dtype (as g * v outside)
+            c, g = gate_affine(c_s, kb_base, offs_n[:, None], L, SIGMOID)
+            v_dp = (v.to(tl.float32) * g).to(v.dtype)
+        else:
+            c = key_affine(c_s, kb_base, offs_n[:, None], L, HAS_KEY_BIAS, SIGMOID)
+            v_dp = v
         if CAUSAL:
             lo, diag_end = causal_query_split(start_n, L, BLOCK_M, BLOCK_N)
             dk, dv, dkb = dkdv_query_tiles(
-                dk, dv, dkb, k, v, q_src, do_src, b, h, lo, diag_end, offs_n, offs_m, offs_d,
+                dk, dv, dkb, k, v_dp, q_src, do_src, b, h, lo, diag_end, offs_n, offs_m, offs_d,
                 sqt, sdot, L, a_s, c, True, HAS_KEY_BIAS, SIGMOID, DOT_PRECISION, TMA, BLOCK_M,
             )  # fmt: skip
         else:
             diag_end = 0
         dk, dv, dkb = dkdv_query_tiles(
-            dk, dv, dkb, k, v, q_src, do_src, b, h, diag_end, L, offs_n, offs_m, offs_d, sqt,
+            dk, dv, dkb, k, v_dp, q_src, do_src, b, h, diag_end, L, offs_n, offs_m, offs_d, sqt,
             sdot, L, a_s, c, False, HAS_KEY_BIAS, SIGMOID, DOT_PRECISION, TMA, BLOCK_M,
         )  # fmt: skip
+        if HAS_GATE:
+            dg_v = tl.sum(v.to(tl.float32) * dv, axis=1)
     # Padded key rows saw k = 0 (and v = 0): zero their dK and dV on the way out. Their dS is zero
     # (dP = dO v^T = 0), so their key-bias gradient is too.
     dk_scale = ds_scale(scale, SIGMOID)
@@ -505,13 +564,19 @@ def _sigmoid_bwd_dkdv_kernel(
         DK + b64 * sdkb + h * sdkh + offs_n[:, None] * sdkt + offs_d[None, :],
         tl.where(valid, dk * dk_scale, 0.0).to(DK.dtype.element_ty), mask=in_range,
     )  # fmt: skip
+    if HAS_GATE:
+        dv = dv * g_n[:, None]
     tl.store(
         DV + b64 * sdvb + h * sdvh + offs_n[:, None] * sdvt + offs_d[None, :],
         tl.where(valid, dv, 0.0).to(DV.dtype.element_ty), mask=in_range,
     )  # fmt: skip
     if HAS_KEY_BIAS:
         dkb_base = DKB + pid_bh.to(tl.int64) * T
-        tl.store(dkb_base + offs_n, dkb * ds_scale(1.0, SIGMOID), mask=offs_n < T)
+        if HAS_GATE:  # padded keys: dkb = 0, v = 0 and g = 0, so 0
+            dg = dkb * ds_scale(1.0, SIGMOID) / (g_n + GATE_EPS) + dg_v
+            tl.store(dkb_base + offs_n, dg, mask=offs_n < T)
+        else:
+            tl.store(dkb_base + offs_n, dkb * ds_scale(1.0, SIGMOID), mask=offs_n < T)
 
 
 # ---- launch configs and choices ----------------------------------------------------------------
@@ -619,7 +684,7 @@ def use_dense(lengths: torch.Tensor, *tensors: torch.Tensor) -> bool:
 
 _TUNED: dict[tuple, Tuned] = {}
 # The constexprs that select a kernel's code path: with the T bucket and head dim, its autotune key.
-_KEY_LEVERS = ("TMA", "SIGMOID", "A_REGS", "CAUSAL", "HAS_KEY_BIAS")
+_KEY_LEVERS = ("TMA", "SIGMOID", "A_REGS", "CAUSAL", "HAS_KEY_BIAS", "HAS_GATE")
 
 
 @functools.cache
@@ -675,13 +740,16 @@ def _common_args(D: int, dtype: torch.dtype, log_bias: bool, sigmoid: int) -> di
     }
 
 
-def _mask_and_bias_args(causal: bool, key_bias: torch.Tensor | None) -> dict:
+def _mask_and_bias_args(causal: bool, key_bias: torch.Tensor | None, gated: bool = False) -> dict:
     """The kernels' trailing arguments: CAUSAL, and the key bias (a (B, H, T) float32 tensor with
-    unit stride along T, ``key_bias_view``) with its (b, h) strides when there is one."""
+    unit stride along T, ``check_key_bias``) with its (b, h) strides when there is one;
+    ``gated``: that tensor is the fused gate g, not a bias (HAS_GATE, passed only then, so that
+    the kernels without it compile and autotune as before it existed)."""
     if key_bias is None:
         return {"CAUSAL": causal, "HAS_KEY_BIAS": False}
     sb, sh = key_bias.stride()[:2]
-    return {"CAUSAL": causal, "HAS_KEY_BIAS": True, "KB": key_bias, "skbb": sb, "skbh": sh}
+    out = {"CAUSAL": causal, "HAS_KEY_BIAS": True, "KB": key_bias, "skbb": sb, "skbh": sh}
+    return {**out, "HAS_GATE": True} if gated else out
 
 
 def _kernel_args(strided: tuple, extra: tuple, lengths, H: int, T: int, *tail) -> tuple:
@@ -724,9 +792,9 @@ def _max_buffer(q: torch.Tensor, return_max: bool) -> tuple[torch.Tensor, int]:
 
 
 def _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma,
-             causal=False, key_bias=None):  # fmt: skip
+             causal=False, key_bias=None, gated=False):  # fmt: skip
     """The general forward on inputs with unit stride along D; ``tma`` already checked
-    (``tma_ok``)."""
+    (``tma_ok``); ``gated``: ``key_bias`` holds the fused gate g."""
     B, H, T, D = q.shape
     if tma and not interpreting():
         triton.set_allocator(_device_allocator)
@@ -739,7 +807,7 @@ def _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma,
         "TMA": tma,
         "A_REGS": use_a_regs(q, tma) and not interpreting(),
         **_common_args(D, q.dtype, log_bias, sigmoid),
-        **_mask_and_bias_args(causal, key_bias),
+        **_mask_and_bias_args(causal, key_bias, gated),
     }
     _launch(_sigmoid_fwd_kernel, "fwd", q, grid, args, kwargs)
     max_bh = mx.amax(dim=1).view(B, H) if return_max else mx.new_empty(0)
@@ -770,11 +838,11 @@ def _forward_dense(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max,
 
 
 def _backward(do, q, k, v, lengths, scale, bias, log_bias, sigmoid, tma,
-              causal=False, key_bias=None, dkb=None):  # fmt: skip
+              causal=False, key_bias=None, dkb=None, gated=False):  # fmt: skip
     """The general dQ and dK/dV kernels: ``(dq, dk, dv)``, and the key bias's gradient per head
-    written into ``dkb`` (a contiguous (B, H, T) float32 buffer) when there is a key bias. The dQ
-    kernel is launched before dK and dV are even allocated: host time ahead of the first launch
-    is GPU idle time."""
+    written into ``dkb`` (a contiguous (B, H, T) float32 buffer) when there is a key bias (with
+    ``gated``, the fused gate's). The dQ kernel is launched before dK and dV are even allocated:
+    host time ahead of the first launch is GPU idle time."""
     B, H, T, D = q.shape
     if tma and not interpreting():
         triton.set_allocator(_device_allocator)
@@ -782,7 +850,7 @@ def _backward(do, q, k, v, lengths, scale, bias, log_bias, sigmoid, tma,
     kwargs = {
         "TMA": tma,
         **_common_args(D, q.dtype, log_bias, sigmoid),
-        **_mask_and_bias_args(causal, key_bias),
+        **_mask_and_bias_args(causal, key_bias, gated),
     }
     args = _kernel_args((q, k, v, do, dq), (), lengths, H, T, scale, bias)
     grid = lambda meta: (cdiv(T, meta["BLOCK_M"]), B * H)
@@ -820,34 +888,36 @@ def _backward_dense(do, q, k, v, lengths, scale, bias, log_bias, sigmoid,
 
 
 def forward_auto(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max,
-                 causal=False, key_bias=None):  # fmt: skip
+                 causal=False, key_bias=None, gated=False):  # fmt: skip
     """The forward with the op's choices: an unpadded batch in the fast sigmoid mode to the dense
     kernel (``use_dense``), else the general kernel with TMA loads where ``use_tma``. The exact
-    sigmoid keeps the general kernel: its persistent dense twin ran 7% slower."""
+    sigmoid keeps the general kernel: its persistent dense twin ran 7% slower. The fused gate
+    (``gated``) runs in the general kernels only."""
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     tail = (causal, key_bias)
-    if sigmoid != EXACT and use_dense(lengths, q, k, v):
+    if sigmoid != EXACT and not gated and use_dense(lengths, q, k, v):
         return _forward_dense(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, *tail)
     tma = use_tma(q, k, v)
-    return _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, *tail)
+    return _forward(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, tma, *tail, gated)
 
 
 def backward_auto(do, q, k, v, lengths, scale, bias, log_bias, sigmoid,
-                  causal=False, key_bias=None):  # fmt: skip
+                  causal=False, key_bias=None, gated=False):  # fmt: skip
     """The backward with the op's choices: an unpadded batch to the dense kernels (``use_dense``),
     else the general kernels with TMA loads where ``use_tma``. ``(dq, dk, dv, dkb)``, dkb the key
-    bias's gradient per head, (B, H, T) float32, or None without a key bias."""
+    bias's gradient per head, (B, H, T) float32, or None without a key bias; ``gated``: the fused
+    gate's (in the general kernels only)."""
     do, q, k, v = (last_dim_contiguous(t) for t in (do, q, k, v))
     B, H, T, _ = q.shape
     dkb = None
     if key_bias is not None:
         dkb = torch.empty(B, H, T, dtype=torch.float32, device=q.device)  # every entry written
     tail = (causal, key_bias, dkb)
-    if use_dense(lengths, q, k, v, do):
+    if not gated and use_dense(lengths, q, k, v, do):
         grads = _backward_dense(do, q, k, v, lengths, scale, bias, log_bias, sigmoid, *tail)
     else:
         tma = use_tma(q, k, v, do)
-        grads = _backward(do, q, k, v, lengths, scale, bias, log_bias, sigmoid, tma, *tail)
+        grads = _backward(do, q, k, v, lengths, scale, bias, log_bias, sigmoid, tma, *tail, gated)
     return (*grads, dkb)
 
 
@@ -856,7 +926,8 @@ def backward_auto(do, q, k, v, lengths, scale, bias, log_bias, sigmoid,
 # under fullgraph=True) and runs the body as in eager, with the real tensors' strides. Traced
 # through as a ``triton_op``, inductor returned wrong values on the H200 (NaN, ~100x off) for
 # reasons not pinned down (docs/LOG.md); an opaque op gives that up for certainty. ``key_bias``:
-# the (B, H, T) float32 view of ``key_bias_view``; its gradient is per head.
+# the (B, H, T) float32 view of ``check_key_bias``; its gradient is per head; ``gated``: it is the
+# fused gate g.
 
 
 @torch.library.custom_op("stabilitylab::sigmoid_attention_fwd", mutates_args=())
@@ -872,11 +943,12 @@ def _fwd_op(
     return_max: bool,
     causal: bool = False,
     key_bias: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # The op runs under torch.compile, whose tracing skipped the lengths' range check.
     check_lengths_at_launch(lengths, q.shape[2])
     return forward_auto(
-        q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, causal, key_bias
+        q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, causal, key_bias, gated
     )
 
 
@@ -893,46 +965,50 @@ def _bwd_op(
     sigmoid: int,
     causal: bool = False,
     key_bias: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dkb)``; dkb empty without a key bias (an op returns tensors only)."""
     check_lengths_at_launch(lengths, q.shape[2])  # as in the forward op
     dq, dk, dv, dkb = backward_auto(
-        do, q, k, v, lengths, scale, bias, log_bias, sigmoid, causal, key_bias
+        do, q, k, v, lengths, scale, bias, log_bias, sigmoid, causal, key_bias, gated
     )
     return dq, dk, dv, (q.new_empty(0, dtype=torch.float32) if dkb is None else dkb)
 
 
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, causal=False,
-              key_bias=None):  # fmt: skip
+              key_bias=None, gated=False):  # fmt: skip
     B, H = q.shape[:2]
     max_bh = q.new_empty((B, H) if return_max else (0,), dtype=torch.float32)
     return _empty_bthd_as_bhtd(q), max_bh
 
 
 @_bwd_op.register_fake
-def _bwd_fake(do, q, k, v, lengths, scale, bias, log_bias, sigmoid, causal=False, key_bias=None):
+def _bwd_fake(do, q, k, v, lengths, scale, bias, log_bias, sigmoid, causal=False, key_bias=None,
+              gated=False):  # fmt: skip
     dkb = q.new_empty(q.shape[:3] if key_bias is not None else (0,), dtype=torch.float32)
     return (*(_empty_bthd_as_bhtd(t) for t in (q, k, v)), dkb)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, lengths, scale, bias, log_bias, sigmoid, _, causal, key_bias = inputs
+    q, k, v, lengths, scale, bias, log_bias, sigmoid, _, causal, key_bias, gated = inputs
     ctx.save_for_backward(q, k, v, lengths, key_bias)
     ctx.args = (scale, bias, log_bias, sigmoid, causal)
+    ctx.gated = gated
 
 
 def _input_grads(dq, dk, dv, dkb, key_bias, n_inputs: int) -> tuple:
     """The gradients of the ops' inputs (q, k, v, then none for lengths and the numbers, then the
-    key bias's), for the ``n_inputs`` inputs a caller passed."""
+    key bias's (or the fused gate's), then none for ``gated``), for the ``n_inputs`` inputs a
+    caller passed."""
     grads = (dq, dk, dv, None, None, None, None, None, None, None)
-    return (*grads, None if key_bias is None else dkb)[:n_inputs]
+    return (*grads, None if key_bias is None else dkb, None)[:n_inputs]
 
 
 def _backward_op(ctx, d_out, _d_max):
     q, k, v, lengths, key_bias = ctx.saved_tensors
-    dq, dk, dv, dkb = _bwd_op(d_out, q, k, v, lengths, *ctx.args, key_bias)
-    return _input_grads(dq, dk, dv, dkb, key_bias, 11)
+    dq, dk, dv, dkb = _bwd_op(d_out, q, k, v, lengths, *ctx.args, key_bias, ctx.gated)
+    return _input_grads(dq, dk, dv, dkb, key_bias, 12)
 
 
 _fwd_op.register_autograd(_backward_op, setup_context=_setup_context)
@@ -945,19 +1021,20 @@ class _EagerSigmoidAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, causal=False,
-                key_bias=None):  # fmt: skip
+                key_bias=None, gated=False):  # fmt: skip
         out, max_bh = forward_auto(
-            q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, causal, key_bias
+            q, k, v, lengths, scale, bias, log_bias, sigmoid, return_max, causal, key_bias, gated
         )
         ctx.save_for_backward(q, k, v, lengths, key_bias)
         ctx.args = (scale, bias, log_bias, sigmoid, causal)
+        ctx.gated = gated
         ctx.mark_non_differentiable(max_bh)
         return out, max_bh
 
     @staticmethod
     def backward(ctx, d_out, _d_max):
         q, k, v, lengths, key_bias = ctx.saved_tensors
-        dq, dk, dv, dkb = backward_auto(d_out, q, k, v, lengths, *ctx.args, key_bias)
+        dq, dk, dv, dkb = backward_auto(d_out, q, k, v, lengths, *ctx.args, key_bias, ctx.gated)
         return _input_grads(dq, dk, dv, dkb, key_bias, len(ctx.needs_input_grad))
 
 
@@ -986,6 +1063,8 @@ def sigmoid_attention(
     key_bias_BHT: torch.Tensor | None = None,
     exact: bool = False,
     return_max_logit: bool = False,
+    gate_BT: torch.Tensor | None = None,
+    gate_BHT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(out_BHTD, max_logit_BH | None)``; see the module docstring for formula and layout.
 
@@ -994,17 +1073,30 @@ def sigmoid_attention(
     in float32, differentiable. ``exact=True`` evaluates ``1/(1+exp(-x))``; the default uses the
     hardware tanh on CUDA for bf16/fp16 inputs. The output is a (B, H, T, D) view of (B, T, H, D)
     memory.
+
+    ``gate_BT`` / ``gate_BHT`` (opt-in; instead of a key bias): the KV-eviction gate g in [0, 1]
+    fused into the kernels, ``out_i = sum_j sigmoid(s_ij + b + log(g_j + 1e-8)) g_j v_j`` with v
+    as given, differentiable (its gradient computed in the dK/dV kernel): what the model computes
+    with ``key_bias_BT=log(g + 1e-8)`` and ``g * v`` outside, in one op, no elementwise kernels
+    around it. General kernels only (an unpadded head-dim-128 batch does not take the dense ones).
     """
     named = {"q_BHTD": q_BHTD, "k_BHTD": k_BHTD, "v_BHTD": v_BHTD}
     check_attention_inputs(named, lengths_B, scale, bias, causal)
     key_bias = check_key_bias(q_BHTD, key_bias_BT, key_bias_BHT)
+    gate = check_key_bias(q_BHTD, gate_BT, gate_BHT, prefix="gate")
+    if gate is not None and key_bias is not None:
+        raise ValueError(
+            "pass a gate (gate_BT / gate_BHT) or a key bias (key_bias_BT / key_bias_BHT), not "
+            "both: the fused gate adds its own log(g + 1e-8)"
+        )
     scale = 1.0 / math.sqrt(q_BHTD.shape[-1]) if scale is None else float(scale)
     mode = EXACT if exact else default_fast_mode(q_BHTD.dtype)
     bias_f = 0.0 if bias is None else float(bias)
     # Under torch.compile the opaque custom op (no graph break); in eager the cheaper Function.
     fn = _fwd_op if torch.compiler.is_compiling() else _EagerSigmoidAttention.apply
+    tail = (key_bias,) if gate is None else (gate, True)  # the default call as before the gate
     out_BHTD, max_BH = fn(
         q_BHTD, k_BHTD, v_BHTD, lengths_B, scale, bias_f, bias is None, mode, return_max_logit,
-        causal, key_bias,
+        causal, *tail,
     )  # fmt: skip
     return out_BHTD, (max_BH.detach() if return_max_logit else None)

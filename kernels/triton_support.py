@@ -240,17 +240,21 @@ def check_attention_inputs(
 
 
 def check_key_bias(
-    q_BHTD: torch.Tensor, key_bias_BT: torch.Tensor | None, key_bias_BHT: torch.Tensor | None
+    q_BHTD: torch.Tensor,
+    key_bias_BT: torch.Tensor | None,
+    key_bias_BHT: torch.Tensor | None,
+    prefix: str = "key_bias",
 ) -> torch.Tensor | None:
     """The per-key logit bias as the kernels take it, or None: a (B, H, T) float32 tensor with unit
     stride along T; ``key_bias_BT`` expanded over the heads (a view, so autograd sums its per-head
     gradient over them), ``key_bias_BHT`` as is. Raise ``ValueError`` naming the argument: both
-    given, not a tensor, wrong shape, dtype or device."""
+    given, not a tensor, wrong shape, dtype or device. ``prefix``: the arguments' names (``gate``
+    for the fused gate, ``gate_BT`` / ``gate_BHT``, which the kernels take the same way)."""
     if key_bias_BT is not None and key_bias_BHT is not None:
-        raise ValueError("pass key_bias_BT or key_bias_BHT, not both")
+        raise ValueError(f"pass {prefix}_BT or {prefix}_BHT, not both")
     B, H, T, _ = q_BHTD.shape
-    for name, kb, shape in (("key_bias_BT", key_bias_BT, (B, T)),
-                            ("key_bias_BHT", key_bias_BHT, (B, H, T))):  # fmt: skip
+    for name, kb, shape in ((f"{prefix}_BT", key_bias_BT, (B, T)),
+                            (f"{prefix}_BHT", key_bias_BHT, (B, H, T))):  # fmt: skip
         if kb is None:
             continue
         if not isinstance(kb, torch.Tensor):

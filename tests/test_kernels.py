@@ -326,6 +326,82 @@ def test_causal_splits_hold_for_unequal_tiles(blocks, monkeypatch):
         )
 
 
+def _check_fused_gate(device, dtype, D, T, lengths, exact, gen, where, causal, kind):
+    """The fused gate (``gate_BT`` / ``gate_BHT``) against the reference with the gate applied as
+    the model applies it, ``key_bias = log(g + 1e-8)`` and ``g * v`` at v's dtype: output and the
+    gradients of q, k, v and g (autograd through the reference), float64 / the dtype / the kernel
+    by the criterion. The gate: float32 as the model's, spread over (0, 1) with many near 0 (where
+    its gradient 1 / (g + eps) is largest), 0 at padded keys for the references and NaN for the
+    kernel, which must not read them."""
+    B, H = len(lengths), 2
+    (q, k, v), (qn, kn, vn), lengths_B = _inputs(B, H, T, D, lengths, dtype, device, gen)
+    valid_BT = key_mask_BT(lengths_B, T)
+    valid = valid_BT if kind == "BT" else valid_BT[:, None]
+    gate = torch.rand(valid.shape[:1] + ((H,) if kind == "BHT" else ()) + (T,), generator=gen,
+                      device=device) ** 3 * valid  # fmt: skip
+    gate_nan = gate.masked_fill(~valid, float("nan"))
+    rows = valid_BT[:, None, :, None]
+    g = torch.randn(B, H, T, D, generator=gen, device=device).to(dtype)
+    g_nan, g = g.masked_fill(~rows, float("nan")), g * rows
+
+    def reference(q, k, v, gate):
+        g_BHT1 = (gate[:, None] if kind == "BT" else gate)[..., None]
+        kb = {f"key_bias_{kind}": torch.log(gate + 1e-8)}
+        out = sigmoid_attention_reference(q, k, v * g_BHT1.to(v.dtype), lengths_B, causal=causal,
+                                          **kb)  # fmt: skip
+        return out.detach(), torch.autograd.grad(out, (q, k, v, gate), g.to(out.dtype))
+
+    fresh = lambda *ts: [t.detach().clone().requires_grad_() for t in ts]
+    out64, grads64 = reference(*fresh(q.double(), k.double(), v.double(), gate.double()))
+    out_t, grads_t = reference(*fresh(q, k, v, gate))
+    leaves = fresh(qn, kn, vn, gate_nan)
+    out, _ = sigmoid_attention(*leaves[:3], lengths_B, exact=exact, causal=causal,
+                               **{f"gate_{kind}": leaves[3]})  # fmt: skip
+    grads = torch.autograd.grad(out, leaves, g_nan)
+
+    assert out.dtype == dtype and grads[3].dtype == torch.float32, where
+    assert _err(out, out64) <= 2 * _err(out_t, out64) + ATOL[dtype], where
+    for name, a, t_, r in zip(["q", "k", "v", "gate"], grads, grads_t, grads64, strict=True):
+        assert torch.isfinite(a).all(), f"d{name} not finite, {where}"
+        assert _err(a, r) <= 3 * _err(t_, r) + ATOL[dtype], f"d{name}, {where}"
+    for b, L in enumerate(lengths):
+        assert (out[b, :, L:] == 0).all(), f"padded query rows must be zero, {where}"
+        assert (grads[3][b, ..., L:] == 0).all(), f"padded keys: zero gate gradient, {where}"
+
+
+def _fused_gate_cases() -> list:
+    """(device, dtype, loads, D, causal, kind, shapes): in the interpreter fp16 and fp32, both gate
+    layouts, causal or not, pointer and TMA loads, an unpadded head-dim-128 batch (which the
+    ungated op sends to the dense kernels); on the GPU bf16 at the KV study's head dim 64 and at
+    128 with TMA, causal with a shared gate, every length case, both sigmoid modes."""
+    f16, f32, bf16 = torch.float16, torch.float32, torch.bfloat16
+    cpu = [(f16, "ptr", 64, True, "BT", ("odd", "len1", "whole_tiles")),
+           (f32, "ptr", 64, False, "BHT", ("odd",)), (f16, "tma", 64, True, "BHT", ("odd",)),
+           (f16, "ptr", 128, True, "BT", ("full",))]  # fmt: skip
+    cases = [pytest.param("cpu", *c, id=f"cpu-{c[0]}-{c[1]}-{c[2]}-causal{c[3]}-{c[4]}"[:60])
+             for c in cpu]  # fmt: skip
+    for loads, D in (("ptr", 64), ("tma", 128)):
+        cases.append(pytest.param("cuda", bf16, loads, D, True, "BT", tuple(SHAPES["cuda"]),
+                                  marks=gpu, id=f"cuda-bfloat16-{loads}-{D}"))  # fmt: skip
+    return cases
+
+
+@pytest.mark.parametrize(
+    "device, dtype, loads, D, causal, kind, shapes", _fused_gate_cases(), indirect=["device"]
+)
+def test_fused_gate_matches_the_reference_gate(device, dtype, loads, D, causal, kind, shapes,
+                                               monkeypatch):  # fmt: skip
+    """``gate_BT`` / ``gate_BHT``: log(g + 1e-8) on the logits and g on the values inside the
+    kernels, d g out of the dK/dV kernel, against the reference with the gate outside."""
+    _use_loads(loads, monkeypatch)
+    gen = _generator(device)
+    for case in shapes:
+        T, lengths = SHAPES[device][case]
+        for exact in [False, True] if device == "cuda" else [False]:
+            where = f"{case} exact={exact}"
+            _check_fused_gate(device, dtype, D, T, lengths, exact, gen, where, causal, kind)
+
+
 @pytest.mark.parametrize("case", ["odd", "full"])
 def test_gated_causal_backward_is_bitwise_reproducible(device, case):
     """Two forward and backward runs on the same inputs give the same bits, the key bias's
@@ -557,6 +633,11 @@ KEY_BIAS_BAD = {
                "device mismatch: q_BHTD cpu vs key_bias_BHT meta"),
     "not_tensor": ({"key_bias_BT": [[0.0] * 8] * 2}, "key_bias_BT must be a torch.Tensor"),
     "causal": ({"causal": 1}, "causal must be a bool"),
+    "gate_and_bias": ({"gate_BT": torch.ones(2, 8), "key_bias_BT": torch.zeros(2, 8)},
+                      "pass a gate .* or a key bias .*, not both"),
+    "gate_both": ({"gate_BT": torch.ones(2, 8), "gate_BHT": torch.ones(2, 2, 8)},
+                  "gate_BT or gate_BHT"),
+    "gate_shape": ({"gate_BHT": torch.ones(2, 8)}, r"gate_BHT must have shape \(2, 2, 8\)"),
 }  # fmt: skip
 
 
@@ -723,23 +804,28 @@ def test_eager_calls_read_the_lengths_once_even_in_inference_mode(monkeypatch):
         assert len(reads) == 2
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "causal-key_bias"])
+@pytest.mark.parametrize("gated", [False, True, "fused"], ids=["plain", "causal-key_bias",
+                                                               "causal-fused_gate"])  # fmt: skip
 def test_custom_op_path_equals_the_eager_function(device, gated):
     """torch.compile goes through the custom ops, eager through an autograd.Function: both must
     launch the same kernels, so outputs, max|logit| and gradients agree bit for bit (the key
-    bias's too; without one the ops' trailing arguments keep their defaults)."""
+    bias's or the fused gate's too; without one the ops' trailing arguments keep their
+    defaults)."""
     from stabilitylab.kernels.sigmoid_attention import _EagerSigmoidAttention, _fwd_op
 
     gen = _generator(device)
     T, lengths = SHAPES[device]["odd"]
     _, (qn, kn, vn), lengths_B = _inputs(2, 2, T, 64, lengths, torch.float16, device, gen)
     _, kb = _gate_bias("BT" if gated else None, 2, 2, T, lengths_B, gen, device)
+    if gated == "fused":  # a gate in (0, 1), not its log
+        kb = {"gate_BT": kb["key_bias_BT"].exp()}
     g = torch.randn(qn.shape, generator=gen, device=device).to(qn.dtype)
     args = (lengths_B, 0.125, 0.0, True, 0, True)
     results = []
     for fn in (_fwd_op, _EagerSigmoidAttention.apply):
         leaves = [t.detach().clone().requires_grad_() for t in (qn, kn, vn, *kb.values())]
         tail = (True, leaves[3][:, None].expand(2, 2, T)) if gated else ()
+        tail += (True,) if gated == "fused" else ()
         out, max_BH = fn(*leaves[:3], *args, *tail)
         results.append((out, max_BH, *torch.autograd.grad(out, leaves, g)))
     assert len(results[0]) == (6 if gated else 5)
@@ -1032,23 +1118,25 @@ sa, launches = p.record_launches(True, seq_lens=(64,))
 backend, seen = make_backend(p.TARGET), set()
 for kernel, kind, fp32, args, kwargs, dense in launches:
     name = kernel.fn.__name__
-    if name in seen or not (kwargs.get("CAUSAL") and kwargs.get("HAS_KEY_BIAS")):
+    label = name + ("+gate" if kwargs.get("HAS_GATE") else "")
+    if label in seen or not (kwargs.get("CAUSAL") and kwargs.get("HAS_KEY_BIAS")):
         continue
-    seen.add(name)
+    seen.add(label)
     config = sa._configs(kind, (9, 0), fp32, dense)[0]
     kw = {**kwargs, **config.kwargs}
     if config.pre_hook is not None:
         config.pre_hook(kw)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages, "debug": False}
     text = p.ptx(kernel, args, {**kw, **options}, backend)
-    print(name, f".entry {name}(" in text, "wgmma.mma_async" in text)
+    print(label, f".entry {name}(" in text, "wgmma.mma_async" in text)
 """
 
 
 def test_gated_causal_kernels_compile_for_sm90_without_a_gpu():
-    """Every kernel (general and dense) with CAUSAL and a key bias, through Triton's compiler up
-    to sm_90a PTX with wgmma, in a process of its own (one that imported triton without the
-    interpreter), with experiments/bench/ptx_offline.py."""
+    """Every kernel (general and dense) with CAUSAL and a key bias, and each general kernel with
+    the fused gate (``+gate``), through Triton's compiler up to sm_90a PTX with wgmma, in a process
+    of its own (one that imported triton without the interpreter), with
+    experiments/bench/ptx_offline.py."""
     bench = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "bench"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
@@ -1057,8 +1145,8 @@ def test_gated_causal_kernels_compile_for_sm90_without_a_gpu():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
-    kernels = ["_sigmoid_fwd_kernel", "_sigmoid_bwd_dq_kernel", "_sigmoid_bwd_dkdv_kernel",
-               "_sigmoid_fwd_dense_kernel", "_sigmoid_bwd_dq_dense_kernel",
-               "_sigmoid_bwd_dkdv_dense_kernel"]  # fmt: skip
+    general = ["_sigmoid_fwd_kernel", "_sigmoid_bwd_dq_kernel", "_sigmoid_bwd_dkdv_kernel"]
+    kernels = [*general, *(f"{k}+gate" for k in general), "_sigmoid_fwd_dense_kernel",
+               "_sigmoid_bwd_dq_dense_kernel", "_sigmoid_bwd_dkdv_dense_kernel"]  # fmt: skip
     assert sorted(compiled) == sorted(kernels)
     assert all(v == "True True" for v in compiled.values()), compiled

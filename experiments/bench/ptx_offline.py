@@ -11,7 +11,8 @@ loads), padded and unpadded (the dense kernels), both sigmoid modes, the forward
 the max; then compiles every recorded launch for every production config (``_configs``) up to
 Triton's PTX stage, line info off. A file is named by kernel and a hash of what selects its code
 (specialisation, constexprs, descriptor blocks, warps, stages), so two checkouts' files pair up.
-``--gated``: also causal and key-bias variants (a checkout that has them). Spills and registers:
+``--gated``: also causal and key-bias variants (a checkout that has them), and the fused gate's
+(causal, ``gated``) where the checkout has it. Spills and registers:
 ``ptxas -arch=sm_90a -v FILE.ptx`` with the ptxas that Triton's wheel ships. Uses Triton's
 private launch-binding helpers: checked with triton 3.6 and 3.9.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
+import inspect
 import math
 import os
 
@@ -36,7 +38,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 # Arguments added with the causal mask and key bias: named apart so that a variant without them
 # hashes as it did before they existed.
-GATED_ARGS = ("CAUSAL", "HAS_KEY_BIAS", "KB", "skbb", "skbh", "DKB")
+GATED_ARGS = ("CAUSAL", "HAS_KEY_BIAS", "KB", "skbb", "skbh", "DKB", "HAS_GATE")
 
 
 def record_launches(gated: bool, head_dims=(64, 128), seq_lens=(2048, 4096)) -> tuple[object, list]:
@@ -71,6 +73,8 @@ def _run_the_op(sa, gated: bool, head_dims, seq_lens) -> None:
                 if gated:
                     tails += [{"causal": True}, {"key_bias": bias},
                               {"causal": True, "key_bias": bias}]  # fmt: skip
+                if gated and "gated" in inspect.signature(sa.forward_auto).parameters:
+                    tails.append({"causal": True, "key_bias": bias, "gated": True})
                 for mode in (sa.TANH_F32, sa.EXACT):
                     args = (lengths, 1 / math.sqrt(D), 0.0, True, mode)
                     for tail in tails:
