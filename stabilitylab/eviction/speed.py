@@ -89,6 +89,7 @@ def run_kinds(model, selection, inputs: StudyInputs, path: str):
     callables taking ``evaluate``'s keyword overrides, through ``path`` (engine | research)."""
     kw = inputs.test_kwargs()
     if path == "research":
+        kw["fast"] = False  # the decode loop itself, not the masked one-pass evaluation
 
         def dense(**over):
             return evaluate(model, inputs.test, GateThreshold(0.0), inputs.decode, **{**kw, **over})
