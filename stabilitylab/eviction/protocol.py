@@ -289,7 +289,8 @@ def _evaluate(model, evalset, policy, decode, keep_NSL, indices, opts: LoopOptio
     )  # fmt: skip
 
 
-def _window_indices(evalset, decode, max_windows) -> list[int]:
+def window_indices_of(evalset, decode, max_windows) -> list[int]:
+    """``evalset.indices``, refusing a split with no window long enough for ``decode``."""
     indices = evalset.indices(decode, max_windows)
     if not indices:
         raise ValueError(
@@ -321,7 +322,7 @@ def evaluate(
     if policy.needs_budget:
         raise ValueError(f"{policy.name} needs a budget: use evaluate_baseline")
     decode = decode or DecodeSplit.for_context(evalset.windows.context_len)
-    indices = _window_indices(evalset, decode, max_windows)
+    indices = window_indices_of(evalset, decode, max_windows)
     opts = LoopOptions.of({"batch_size": batch_size, **options})
     return _evaluate(model, evalset, policy, decode, None, indices, opts)
 
@@ -517,7 +518,7 @@ def evaluate_selected(
     ``kwargs``: max_windows and ``LoopOptions`` (batch_size, progress, fast, record_steps)."""
     _check_selection(model, test_set, selection)
     decode = selection.decode
-    indices = _window_indices(test_set, decode, kwargs.pop("max_windows", None))
+    indices = window_indices_of(test_set, decode, kwargs.pop("max_windows", None))
     policy = GateThreshold(selection.tau)
     return _evaluate(model, test_set, policy, decode, None, indices, LoopOptions.of(kwargs))
 
@@ -530,7 +531,7 @@ def test_sweep(
     _check_selection(model, test_set, selection)
     taus = selection.sweep.taus if isinstance(selection, Selection) else selection.taus
     decode = selection.decode
-    indices = _window_indices(test_set, decode, kwargs.pop("max_windows", None))
+    indices = window_indices_of(test_set, decode, kwargs.pop("max_windows", None))
     opts = LoopOptions.of(kwargs)
     results = tuple(
         _evaluate(model, test_set, GateThreshold(t), decode, None, indices, opts) for t in taus
@@ -646,6 +647,6 @@ def evaluate_baseline(
 
 def full_budget(evalset: EvalSet, n_layers: int, n_heads: int, decode: DecodeSplit, **kw) -> Budget:
     """Every entry kept (zero budget reduction): a baseline then equals the dense run."""
-    indices = _window_indices(evalset, decode, kw.get("max_windows"))
+    indices = window_indices_of(evalset, decode, kw.get("max_windows"))
     live_NL = np.full((len(indices), n_layers), n_heads * decode.n_inputs, dtype=np.int64)
     return Budget(evalset.split, decode, tuple(indices), live_NL, "full")

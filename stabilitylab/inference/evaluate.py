@@ -26,18 +26,9 @@ from stabilitylab.eviction.protocol import (
     Selection,
     Split,
     model_fingerprint,
+    window_indices_of,
 )
 from stabilitylab.inference.engine import DecodeEngine
-
-
-def windows_of(evalset: EvalSet, decode: DecodeSplit, max_windows: int | None) -> list[int]:
-    indices = evalset.indices(decode, max_windows)
-    if not indices:
-        raise ValueError(
-            f"no {evalset.split.value} window holds prefill + window + 1 = "
-            f"{decode.n_inputs + 1} tokens"
-        )
-    return indices
 
 
 def _run(engine, evalset, decode, indices, batch_size, keep_NL, progress) -> EvalResult:
@@ -97,7 +88,7 @@ def evaluate_engine(
             f"{policy.name} on the test split: test runs at the tau* frozen on validation; "
             "use evaluate_selected_engine"
         )
-    indices = windows_of(evalset, decode, max_windows)
+    indices = window_indices_of(evalset, decode, max_windows)
     _check_engine(engine, decode, min(batch_size, len(indices)))
     return _run(engine, evalset, decode, indices, batch_size, keep_NL, progress)
 
@@ -122,7 +113,7 @@ def evaluate_selected_engine(
     if model_fingerprint(engine.model) != selection.fingerprint:
         raise ValueError("this tau* was selected on another model (fingerprints differ)")
     decode = selection.decode
-    indices = windows_of(test_set, decode, max_windows)
+    indices = window_indices_of(test_set, decode, max_windows)
     _check_engine(engine, decode, min(batch_size, len(indices)))
     return _run(engine, test_set, decode, indices, batch_size, None, progress)
 
