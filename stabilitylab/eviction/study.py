@@ -167,7 +167,7 @@ def study_inputs(
 
 @contextlib.contextmanager
 def phase(what: str):
-    """One line with the seconds a phase of the study took (a GPU session's budget is minutes:
+    """One line with the seconds a phase of the study took (a GPU budget is minutes:
     the log says where they went, with or without progress bars)."""
     start = time.perf_counter()
     yield
