@@ -42,6 +42,15 @@ ENVIRONMENT_SKIPS = (
 )
 
 
+@pytest.fixture
+def seed() -> int:
+    """Fresh weights and inputs every run from an OS seed (not the global RNG, whose state depends
+    on the tests that ran before), printed so a failure can be replayed."""
+    s = int.from_bytes(os.urandom(4), "little") % 2**31
+    print(f"seed {s}")
+    return s
+
+
 def needs_interpreter(item) -> bool:
     callspec = getattr(item, "callspec", None)
     return "interpreter" in item.keywords or (

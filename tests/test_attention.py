@@ -1,7 +1,6 @@
 """Every attention backend against a float64 reference, with padding."""
 
 import math
-import os
 
 import pytest
 import torch
@@ -15,15 +14,6 @@ BACKENDS = [pytest.param(n, marks=pytest.mark.interpreter) if "-triton" in n els
 # softmax-flash takes no padding and no key bias (refused: test_softmax_flash_refuses_by_name)
 PADDING_BACKENDS = [b for b in BACKENDS if b != "softmax-flash"]
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-@pytest.fixture
-def seed() -> int:
-    """Fresh inputs every run from an OS seed (not the global RNG, whose state depends on the
-    tests that ran before), printed so a failure can be replayed."""
-    s = int.from_bytes(os.urandom(4), "little") % 2**31
-    print(f"seed {s}")
-    return s
 
 
 GPU_DEFAULT = {(False, None, None, "padded"), (True, "BHT", -1.5, "full")}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,30 +45,24 @@ F64 = torch.float64
 VOCAB = 40
 
 
-@pytest.fixture
-def seed() -> int:
-    """Fresh weights and tokens every run from an OS seed, printed so a failure can be replayed."""
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"seed {s}")
-    return s
-
-
 def tiny_decoder(
-    seed, backend="softmax", gates=True, position="rope", n_layers=3, qk_norm="rmsnorm", **kw
-):
-    """A float64 decoder with weights large enough that attention is not uniform and the gates
-    spread over (0, 1). The gate modules stay float32: ``TokenGate`` computes in float32 by
-    design, in the model's full pass and in the decode alike."""
+    seed, backend="softmax", gates=True, position="rope", n_layers=3, qk_norm="rmsnorm",
+    d_model=16, std=0.4, dtype=torch.float64, **kw,
+):  # fmt: skip
+    """A decoder (float64 unless ``dtype`` says) with weights large enough (``std``) that
+    attention is not uniform and the gates spread over (0, 1); 2 heads, d_ff = 2 d_model. The gate
+    modules stay float32: ``TokenGate`` computes in float32 by design, in the model's full pass
+    and in the decode alike."""
     torch.manual_seed(seed)
     cfg = ModelConfig(
-        n_layers=n_layers, d_model=16, n_heads=2, d_ff=32, dropout=0.0, causal=True,
-        gates=gates, position=position, qk_norm=qk_norm, **kw,
+        n_layers=n_layers, d_model=d_model, n_heads=2, d_ff=2 * d_model, dropout=0.0,
+        causal=True, gates=gates, position=position, qk_norm=qk_norm, **kw,
     )  # fmt: skip
-    model = Transformer(cfg, VOCAB, 32, backend).double()
+    model = Transformer(cfg, VOCAB, 32, backend).to(dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1 and "gate" not in name:
-                p.normal_(0.0, 0.4)
+                p.normal_(0.0, std)
         for b in model.blocks:
             if b.gate_out is not None:
                 b.gate_out.float()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -12,14 +10,6 @@ from stabilitylab.eviction.masked import counts_from_kept, masked_decode_nll, vi
 from tests.test_eviction import random_tokens, tiny_decoder, tolerance
 
 PREFILL = 8
-
-
-@pytest.fixture
-def seed() -> int:
-    """Fresh weights and tokens every run from an OS seed, printed so a failure can be replayed."""
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"seed {s}")
-    return s
 
 
 def between_gates(g: torch.Tensor) -> float:

@@ -10,30 +10,18 @@ the Triton kernel in the interpreter, the NLL agrees within 1e-4 (FLOAT32_NLL_AT
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from stabilitylab.config import ModelConfig
 from stabilitylab.eviction import H2O, GateThreshold, KeyDiff, NoEviction, decode_nll
 from stabilitylab.inference import DecodeEngine, PagedKV
 from stabilitylab.inference.paged import logical_drop_BHN
-from stabilitylab.model import Transformer
 from tests.test_eviction import full_pass_nll_BW, random_tokens, tiny_decoder, tolerance
 
 FLOAT32_NLL_ATOL = 1e-4
 BF16_NLL_ATOL = 5e-2
 """bf16 K/V, weights and activations against the float32 research loop: a per-token NLL
 within 0.05 nats (bf16 keeps 8 bits; over 12 layers the logits move by ~1e-2)."""
-
-
-@pytest.fixture
-def seed() -> int:
-    """Fresh weights and tokens every run from an OS seed, printed so a failure can be replayed."""
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"seed {s}")
-    return s
 
 
 class Recording:
@@ -160,19 +148,7 @@ def test_ragged_sequences_decode_as_they_would_alone(seed, policy_name, one_thre
 
 def float32_decoder(seed, backend, gates=True, d_model=32):
     """``tiny_decoder`` in float32 with head dim d_model / 2 (16: the kernel's smallest)."""
-    torch.manual_seed(seed)
-    cfg = ModelConfig(n_layers=3, d_model=d_model, n_heads=2, d_ff=64, dropout=0.0, causal=True,
-                      gates=gates, position="rope", qk_norm="rmsnorm")  # fmt: skip
-    model = Transformer(cfg, 40, 32, backend)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1 and "gate" not in name:
-                p.normal_(0.0, 0.3)
-        for b in model.blocks:
-            if b.gate_out is not None:
-                b.gate_out.weight_GC.normal_(0.0, 1.5)
-                b.gate_out.bias_G.fill_(0.0)
-    return model.eval()
+    return tiny_decoder(seed, backend, gates, d_model=d_model, std=0.3, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("attention", ["reference", pytest.param("triton", marks=pytest.mark.interpreter)])  # fmt: skip

@@ -5,7 +5,6 @@ asserted."""
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,13 +21,6 @@ from stabilitylab.inference.evaluate import (
 )
 from tests.test_eviction import DECODE, eval_set, tiny_decoder
 from tests.test_inference_engine import evicting_tau
-
-
-@pytest.fixture
-def seed() -> int:
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"seed {s}")
-    return s
 
 
 def setup(seed, backend="sigmoid-reference"):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 import pandas as pd
@@ -46,14 +45,6 @@ from stabilitylab.probes.token_categories import CATEGORIES, token_category
 
 VOCAB, CONTEXT = 40, 24
 LENGTHS = (24, 17, 9)
-
-
-@pytest.fixture
-def seed() -> int:
-    """Fresh weights and tokens every run from an OS seed, printed so a failure can be replayed."""
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"seed {s}")
-    return s
 
 
 def tiny_model(seed, backend, gates=True, position="rope", per_head=False) -> Transformer:
