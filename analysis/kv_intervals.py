@@ -29,17 +29,13 @@ import numpy as np
 import pandas as pd
 
 from stabilitylab.analysis.intervals import N_BOOT, paired_ppl_difference, ppl
+from stabilitylab.config import FT_SUFFIX, backbone_of
 
 COLUMNS = [
     "text", "comparison", "a", "b", "ppl_a", "ppl_b", "diff", "lo", "hi", "verdict", "n_windows",
 ]  # fmt: skip
 FIXED_ROLES = ("dense", "tau_star", "sweep")
 VERDICT = {"a < b": "a better", "a > b": "b better", "undecided": "undecided"}
-
-
-def backbone_of(cell: str) -> str:
-    """``sig-g-rope`` / ``sig-g-rope-ft`` -> ``sig-rope``."""
-    return cell.removesuffix("-ft").replace("-g-", "-")
 
 
 def _series(windows: pd.DataFrame) -> dict[tuple[str, str, str], pd.DataFrame]:
@@ -91,7 +87,7 @@ def _gated_pairs(text: str, cell: str, roles: set[str], cells: set[str]) -> list
     pairs += [
         (f"gate vs {r}", (cell, "tau_star"), (cell, r)) for r in sorted(roles - set(FIXED_ROLES))
     ]
-    scratch = cell.removesuffix("-ft")
+    scratch = cell.removesuffix(FT_SUFFIX)
     if scratch != cell and scratch in cells:
         pairs += [
             ("fine-tune vs scratch", (cell, "dense"), (scratch, "dense")),

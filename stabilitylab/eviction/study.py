@@ -118,13 +118,6 @@ class StudyInputs:
         return out
 
 
-def _check_baselines(names) -> tuple[str, ...]:
-    bad = [n for n in names if n not in BASELINES]
-    if bad:
-        raise StudyError(f"study.baselines: unknown {bad}; choose from {list(BASELINES)}")
-    return tuple(names)
-
-
 def study_inputs(
     cfg: Config,
     cells: dict[str, TrainedCell],
@@ -157,7 +150,7 @@ def study_inputs(
     rule = TauRule(s.tau_rule, s.max_delta_log_ppl if s.tau_rule == "relative" else s.max_delta_ppl)
     return StudyInputs(
         sets[Split.VAL], sets[Split.TEST], decode, s.val_windows or None, s.test_windows or None,
-        s.batch_size, grid, progress, rule, _check_baselines(s.baselines), s.test_sweep,
+        s.batch_size, grid, progress, rule, tuple(s.baselines), s.test_sweep,
         s.baseline_windows or None, s.bootstrap, heldout, heldout_name,
     )  # fmt: skip
 
