@@ -11,9 +11,11 @@ Better Substrate for Learned KV Cache Eviction".
 Training is experiments/kv_eviction.py's (same presets, --cells and --section.key overrides; a
 rerun resumes and skips finished cells; the study.* keys never make a trained cell refuse to
 resume). Then, on the main process only: each gated cell's tau is swept on validation (15
-points), tau* = the highest compression whose PPL is < 0.1 above its own tau = 0, frozen and run
-on test; its dense backbone (SM+G-RoPE -> SM-RoPE, ...) and H2O / KeyDiff on that backbone at the
-matched final live-cache size run on the same test windows. A fine-tune control in --cells
+points), tau* = the highest compression whose Delta ln PPL to its own tau = 0 is <= 0.0045
+(``study.tau_rule``; the paper's absolute 0.1 PPL is an option), frozen and run on test; its dense
+backbone (SM+G-RoPE -> SM-RoPE, ...) and H2O / KeyDiff on that backbone, held step by step to the
+gate's live entries (``study.baselines``), run on the same test windows, each window's NLL kept
+for the paired intervals. A fine-tune control in --cells
 (sig-g-rope-ft: sig-g-rope started from the trained sig-rope) is trained after its backbone and
 studied as a gated cell on that backbone; --study.parallel=True trains it in its backbone's
 process, after it. Output: runs/<name>/study/

@@ -48,6 +48,20 @@ def test_smoke_run_writes_every_table(script, tmp_path, capsys, one_thread):
     assert "| size | batch | context | compression | provider |" in out and "## Bars" in out
     assert (tmp_path / "decode.md").read_text().startswith("# Decode")
     assert (tmp_path / "provenance.json").is_file()
+    assert not (tmp_path / "decode.partial.csv").exists()  # removed once the grid is whole
+
+
+def test_a_grid_stopped_midway_keeps_the_rows_so_far(one_thread):
+    """``partial`` sees the rows after every (size, batch, context), each frame extending the
+    last, the final one equal to the returned grid."""
+    cfg = bench.smoke_config()
+    cfg.flex_contexts, cfg.contexts = [], [16, 24]
+    frames = []
+    df = bench.run_grid(cfg, log=lambda _: None, partial=frames.append)
+    assert [len(f) for f in frames] == [6, 12, 18, 24]  # 5 engine rows + sdpa per (B, N)
+    for a, b in zip(frames, frames[1:], strict=False):
+        pd.testing.assert_frame_equal(a, b.iloc[: len(a)])
+    pd.testing.assert_frame_equal(frames[-1], df)
 
 
 def test_the_eviction_pattern_is_drawn_to_the_target(one_thread):

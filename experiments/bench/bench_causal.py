@@ -478,7 +478,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", default="runs/bench_causal", help="folder for the CSV and tables")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians over them)")
-    p.add_argument("--seq-lens", nargs="+", type=int, help="T values (default 512 2048 8192)")
+    p.add_argument("--seq-lens", nargs="+", type=int, help="T values (default 512 1024 2048 8192)")
     p.add_argument("--hidden", type=int, help="model width; heads = hidden / 64 (default 768)")
     p.add_argument("--tokens", type=int, help="tokens per batch, B = tokens / T (default 16384)")
     p.add_argument("--providers", nargs="+",

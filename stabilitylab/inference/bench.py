@@ -35,9 +35,21 @@ COLUMNS = [
 # ---- the grid, the bars -----------------------------------------------------------------------
 
 
-def run_grid(cfg: BenchConfig, log: Callable[[str], None] = print) -> pd.DataFrame:
+def _frame(rows: list[dict]) -> pd.DataFrame:
+    df = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    df["rest_ms"] = df["step_ms"] - df["attn_ms"]
+    df["tokens_per_s"] = df["batch"] / df["step_ms"] * 1e3
+    return df
+
+
+def run_grid(
+    cfg: BenchConfig,
+    log: Callable[[str], None] = print,
+    partial: Callable[[pd.DataFrame], None] | None = None,
+) -> pd.DataFrame:
     """Every (size, batch, context): the engine at every compression, then the anchors (after
-    the engine's pool is freed: at 32K x 32 the paper's K/V is ~39 GB each)."""
+    the engine's pool is freed: at 32K x 32 the paper's K/V is ~39 GB each). ``partial`` gets
+    the rows so far after each (size, batch, context), so a run stopped midway keeps them."""
     rows = []
     dev = torch.device(cfg.device)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -60,10 +72,9 @@ def run_grid(cfg: BenchConfig, log: Callable[[str], None] = print) -> pd.DataFra
                 log(f"{size} B={B} N={N}: " + ", ".join(
                     f"{r['provider']}@{r['compression']:g} {r.get('step_ms', math.nan):.3f} ms"
                     for r in got))  # fmt: skip
-    df = pd.DataFrame(rows).reindex(columns=COLUMNS)
-    df["rest_ms"] = df["step_ms"] - df["attn_ms"]
-    df["tokens_per_s"] = df["batch"] / df["step_ms"] * 1e3
-    return df
+                if partial is not None:
+                    partial(_frame(rows))
+    return _frame(rows)
 
 
 def _bar(name, keys: dict, value: float, threshold: float, higher_is_better: bool) -> dict:
@@ -199,8 +210,9 @@ def check_config(cfg: BenchConfig) -> str | None:
 
 def grid_parts(cfg: BenchConfig, out) -> list[str]:
     """The grid and its bars, written under ``out``; their markdown."""
-    df = run_grid(cfg)
+    df = run_grid(cfg, partial=lambda part: part.to_csv(out / "decode.partial.csv", index=False))
     df.to_csv(out / "decode.csv", index=False)
+    (out / "decode.partial.csv").unlink(missing_ok=True)
     bar = bars(df)
     bar.to_csv(out / "decode_bars.csv", index=False)
     return ["# Decode: engine vs SDPA / Flex", "", markdown(df, TABLE_COLUMNS), "",
