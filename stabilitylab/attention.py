@@ -346,24 +346,29 @@ def sigmoid_reference(
 
 # ---- sigmoid: the Triton kernel -------------------------------------------------------------
 
+GATE_IN_KERNEL = frozenset({"sigmoid-triton", "sigmoid-triton-exact"})
+"""Backends that take the KV-eviction gate itself (``gate_BT`` / ``gate_BHT``: log g and g v in
+the kernel) where ``model.gate_in_kernel`` asks for it."""
+
 
 @register("sigmoid-triton")
 def sigmoid_triton(
     q_BHTD, k_BHTD, v_BHTD, lengths_B, *, causal=False, key_bias_BT=None, key_bias_BHT=None,
-    sigmoid_bias=None, return_max_logit=False,
+    sigmoid_bias=None, return_max_logit=False, gate_BT=None, gate_BHT=None,
 ):  # fmt: skip
     from stabilitylab.kernels import sigmoid_attention
 
     return sigmoid_attention(
         q_BHTD, k_BHTD, v_BHTD, lengths_B, bias=sigmoid_bias, causal=causal,
         key_bias_BT=key_bias_BT, key_bias_BHT=key_bias_BHT, return_max_logit=return_max_logit,
+        gate_BT=gate_BT, gate_BHT=gate_BHT,
     )  # fmt: skip
 
 
 @register("sigmoid-triton-exact")
 def sigmoid_triton_exact(
     q_BHTD, k_BHTD, v_BHTD, lengths_B, *, causal=False, key_bias_BT=None, key_bias_BHT=None,
-    sigmoid_bias=None, return_max_logit=False,
+    sigmoid_bias=None, return_max_logit=False, gate_BT=None, gate_BHT=None,
 ):  # fmt: skip
     """``sigmoid-triton`` with the exact sigmoid ``1 / (1 + exp(-x))`` in place of the fast
     ``tanh.approx.f32`` one: to check that the approximation does not change a run's fate."""
@@ -372,7 +377,7 @@ def sigmoid_triton_exact(
     return sigmoid_attention(
         q_BHTD, k_BHTD, v_BHTD, lengths_B, bias=sigmoid_bias, causal=causal,
         key_bias_BT=key_bias_BT, key_bias_BHT=key_bias_BHT, return_max_logit=return_max_logit,
-        exact=True,
+        exact=True, gate_BT=gate_BT, gate_BHT=gate_BHT,
     )  # fmt: skip
 
 

@@ -136,13 +136,18 @@ class ModelConfig:
     """Where the gate enters the next layer: both (the paper), logits only, values only."""
     gate_per_head: bool = False
     """One gate per (token, head) instead of one per token shared by the heads."""
+    gate_in_kernel: bool = False
+    """With gate_injection=both and a Triton sigmoid backend: the gate goes into the attention
+    kernel itself (log(g + 1e-8) on the logits, g on the values, its gradient from the dK/dV
+    kernel) instead of a key bias and g * v around it: the same maths in one op. Other backends
+    ignore it."""
     gate_bias_init: float = 5.0
     """The gates' initial bias b (the paper: 5, so g = sigmoid(5) = 0.9933 at step 0)."""
 
     def _check_kinds(self) -> None:
         """Literal fields hold one of their kinds, also when built from a dict (a saved config)."""
         _check_literals(self, "model.", ("position", "qk_norm", "gate_injection"))
-        for key in ("causal", "gates", "gate_per_head", "qk_layernorm"):
+        for key in ("causal", "gates", "gate_per_head", "gate_in_kernel", "qk_layernorm"):
             value = getattr(self, key)
             _check(isinstance(value, bool), f"model.{key}", f"must be True or False, got {value!r}")
 

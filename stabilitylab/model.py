@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from stabilitylab.attention import get_backend
+from stabilitylab.attention import GATE_IN_KERNEL, get_backend
 from stabilitylab.config import N_SPECIAL_TOKENS, ModelConfig
 from stabilitylab.kernels.reference import key_mask_BT
 
@@ -195,6 +195,9 @@ class SelfAttention(nn.Module):
         self.causal = cfg.causal
         self.rope_base = cfg.rope_base if cfg.position == "rope" else None
         self.gate_injection = cfg.gate_injection
+        self.gate_in_kernel = (
+            cfg.gate_in_kernel and cfg.gate_injection == "both" and backend in GATE_IN_KERNEL
+        )
         self.sigmoid_bias = cfg.sigmoid_bias
         self.backend_name = backend
         self.backend = get_backend(backend)
@@ -224,9 +227,12 @@ class SelfAttention(nn.Module):
         return q_BHTD, k_BHTD, v_BHTD
 
     def _inject(self, v_BHTD: torch.Tensor, gate: torch.Tensor | None):
-        """The previous layer's gate: ``(v_BHTD scaled, backend kwargs with the key bias)``."""
+        """The previous layer's gate: ``(v_BHTD scaled, backend kwargs with the key bias)``, or
+        with ``gate_in_kernel`` ``(v_BHTD, the gate itself)`` for the kernel to apply both."""
         if gate is None:
             return v_BHTD, {}
+        if self.gate_in_kernel:
+            return v_BHTD, {("gate_BHT" if gate.dim() == 3 else "gate_BT"): gate}
         g_BHT = gate if gate.dim() == 3 else gate[:, None, :]
         if self.gate_injection in ("both", "values"):
             v_BHTD = v_BHTD * g_BHT[..., None].to(v_BHTD.dtype)

@@ -413,7 +413,7 @@ CHECKED = [
     ("model.ln_eps", C.ModelConfig, {"ln_eps": 0.0}),
     ("model.init_std", C.ModelConfig, {"init_std": 0.0}),
     ("model.init_scale", C.ModelConfig, {"init_scale": 0.0}),
-    *[(f"model.{k}", C.ModelConfig, {k: 1}) for k in ("causal", "gates", "gate_per_head")],
+    *[(f"model.{k}", C.ModelConfig, {k: 1}) for k in ("causal", "gates", "gate_per_head", "gate_in_kernel")],
     ("model.qk_layernorm", C.ModelConfig, {"qk_layernorm": 1}),
     ("model.qk_layernorm", C.ModelConfig, {"qk_layernorm": True, "qk_norm": "rmsnorm"}),
     ("model.position", C.ModelConfig, {"position": "rope", "d_model": 12, "n_heads": 4}),

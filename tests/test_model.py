@@ -125,6 +125,29 @@ def test_gate_injection_changes_the_right_thing(injection, per_head):
     assert spies[0].calls[0][1] == {}, "layer 0 has no gate before it"
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_the_gate_in_the_kernel_is_the_same_model(per_head):
+    """``gate_in_kernel``: sigmoid-triton takes g itself (log g and g v inside the kernel) and
+    gives the logits and every gradient of the key-bias path (Triton's interpreter on CPU,
+    float32, head dim 64); a backend without the fused gate keeps the key bias."""
+    kw = dict(d_model=128, n_heads=2, causal=True, gates=True, gate_per_head=per_head)
+    models = [build("sigmoid-triton", **kw, gate_in_kernel=fused) for fused in (False, True)]
+    with torch.no_grad():
+        for b in models[0].blocks[:-1]:
+            b.gate_out.weight_GC.normal_(0, 30.0)
+    models[1].load_state_dict(models[0].state_dict())
+    assert [m.blocks[1].attn.gate_in_kernel for m in models] == [False, True]
+    assert not build(**kw, gate_in_kernel=True).blocks[1].attn.gate_in_kernel  # the reference
+    tokens_BT, lengths_B = batch()
+    logits = [m(tokens_BT, lengths_B) for m in models]
+    assert models[0].gates[0].detach().std() > 0.2, "gates that differ from token to token"
+    torch.testing.assert_close(logits[1], logits[0], atol=2e-5, rtol=1e-4)
+    for out in logits:
+        out.square().mean().backward()
+    for (name, p0), p1 in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(p1.grad, p0.grad, atol=2e-6, rtol=1e-4, msg=name)
+
+
 def test_gates_change_the_output_and_learn_from_the_budget_loss():
     """At init (g = 0.993) the gated model is the dense one up to ~1%; a closed gate is not."""
     model = build(causal=True, gates=True)
