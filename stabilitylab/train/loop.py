@@ -63,6 +63,16 @@ class Stopper:
     def _handle(self, signum, frame):
         self.requested = True
 
+    def agreed(self, accelerator) -> bool:
+        """Whether the run stops after this step: on several processes, whether any of them was
+        signalled (a one-number all-reduce). Each process is signalled on its own, at times a
+        step apart; one that stopped alone would wait in the checkpoint's collectives while the
+        others wait in the next step's."""
+        if accelerator.num_processes == 1:
+            return self.requested
+        flag = torch.tensor([float(self.requested)], device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum").item())
+
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
@@ -324,7 +334,7 @@ def _steps(a: Arm, batches, stopper: Stopper, progress: Progress) -> int:
         progress.update(step, numbers, dt)
         if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
             a.save(checkpoint.LAST, step, a.hist)
-        if stopper.requested:
+        if stopper.agreed(a.accelerator):
             break
     return step
 
@@ -365,8 +375,9 @@ def _train_arm(cfg: Config, arm: str, data: TaskData):
     progress = Progress(a)
     with Stopper() as stopper:
         step = _loop(a, loader, stopper, progress)
+        interrupted = stopper.agreed(accelerator)  # one answer for every process
     progress.close()
-    return _finish(a, step, stopper.requested), accelerator, stopper.requested
+    return _finish(a, step, interrupted), accelerator, interrupted
 
 
 def _finish(a: Arm, step: int, interrupted: bool) -> dict:
