@@ -39,7 +39,7 @@ from stabilitylab.telemetry import (
     missing_trackers,
     start_trackers,
 )
-from stabilitylab.train import build, checkpoint, resume, warmstart
+from stabilitylab.train import build, checkpoint, resume, sharding, warmstart
 from stabilitylab.train.policy import History, Policy
 from stabilitylab.train.step import StepNumbers, read_numbers, train_step, validation_sums
 from stabilitylab.train.task import TaskData, cell_task, text_task
@@ -90,6 +90,7 @@ def check(cfg: Config, world: int, cuda: bool) -> None:
         raise ConfigError(f"config trackers: {', '.join(missing)} not installed (pip install it)")
     build.mixed_precision(cfg, cuda)
     build.accumulation_steps(cfg, world)
+    sharding.check(cfg)
     if cfg.task == "lm":
         # The cells own these two keys; an override would be replaced without a word.
         if cfg.model.gates:
@@ -198,7 +199,7 @@ def _start(cfg: Config, arm: str, data: TaskData, state) -> tuple[resume.Start, 
     plan = [None]
     if state.is_main_process:
         try:
-            plan[0] = resume.plan(cfg, d, config)
+            plan[0] = resume.plan(cfg, d, config, sharded=sharding.requested())
         except (resume.ResumeError, checkpoint.CheckpointError) as e:
             plan[0] = e
     plan = broadcast_object_list(plan)[0] if state.num_processes > 1 else plan[0]
@@ -234,9 +235,10 @@ def _build_arm(cfg, arm, data: TaskData, accelerator, plan, backend, config) -> 
         val=val, validates=bool(data.val),
     )  # fmt: skip
     a.policy = Policy(cfg, hist, a.save, a.say)
+    sharded = " sharded=FSDP2" if sharding.is_sharded(trainee.model) else ""
     a.say(
         f"backend={backend} params={n_params / 1e6:.1f}M init_hash={init_hash} "
-        f"processes={accelerator.num_processes} accumulation={accum} "
+        f"processes={accelerator.num_processes}{sharded} accumulation={accum} "
         f"micro_batch={cfg.train.micro_batch} mixed_precision={accelerator.mixed_precision}"
     )
     if plan.kind == "resume":
@@ -420,6 +422,7 @@ def _finish(a: Arm, step: int, interrupted: bool) -> dict:
             autotune=autotune_choices(),
             fast_path=None if fast is None else {"mode": fast.mode, "note": fast.note},
             sdpa_kernels=_sdpa_kernels(a) if a.backend == "softmax" else None,
+            sharded="FSDP2" if sharding.is_sharded(a.trainee.model) else None,
         )
     accelerator.wait_for_everyone()
     # Accelerate keeps every prepared model and optimizer; drop this arm's so that the next arm
