@@ -27,17 +27,26 @@ def layer_param_groups(model: nn.Module) -> list[list[torch.Tensor]]:
     return [list(block.parameters()) for block in model.blocks]
 
 
+def _total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``get_total_norm`` as a plain tensor: over FSDP's sharded parameters and gradients
+    (DTensors) it is a DTensor, gathered here (every process then holds the global norm)."""
+    from torch.distributed.tensor import DTensor
+
+    norm = get_total_norm(tensors)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
 def _group_norms(tensors_per_group: list[list[torch.Tensor]]) -> torch.Tensor:
     """L2 norm of each group of tensors, on the device: ``norms_G`` (0 for an empty group)."""
     if not tensors_per_group:
         return torch.zeros(0)
-    return torch.stack([get_total_norm([t.detach() for t in g]) for g in tensors_per_group])
+    return torch.stack([_total_norm([t.detach() for t in g]) for g in tensors_per_group])
 
 
 def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     """Global L2 norm of all gradients (float32, on the device), before any clipping."""
     grads = [p.grad.detach() for p in params if p.grad is not None]
-    return get_total_norm(grads).float()
+    return _total_norm(grads).float()
 
 
 class LayerStatsMonitor:

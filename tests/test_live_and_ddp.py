@@ -1,8 +1,6 @@
 """Live TensorBoard over HTTP while a run is written; two CPU processes through accelerate."""
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +13,7 @@ import torch
 
 from stabilitylab import tags
 from stabilitylab.train.checkpoint import read_state
-
-ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.launch import ENV, ROOT, accelerate_launch, free_port, launch
 
 
 def get_json(url: str):
@@ -117,38 +107,8 @@ def _smoke_cmd(out_dir, launcher):
     ]
 
 
-def _two_processes() -> list[str]:
-    """accelerate launch with two gloo processes on CPU (the trainer builds Accelerator(cpu=True));
-    ``--cpu`` would start one process here (multi-CPU mode expects MPI)."""
-    return [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(free_port()),
-    ]
-
-
 def _launch(out_dir: Path, launcher: list[str]) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        _smoke_cmd(out_dir, launcher),
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+    return launch(_smoke_cmd(out_dir, launcher))
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +118,11 @@ def smoke_runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedPr
     if torch.cuda.is_available():
         pytest.skip("CPU-process test")
     root = tmp_path_factory.mktemp("ddp")
-    launchers = {"one": [sys.executable], "two": _two_processes(), "two_again": _two_processes()}
+    launchers = {
+        "one": [sys.executable],
+        "two": accelerate_launch(),
+        "two_again": accelerate_launch(),
+    }
     return {
         name: (root / name / "smoke", _launch(root / name, launcher))
         for name, launcher in launchers.items()

@@ -12,6 +12,7 @@ Modules, in the order a step meets them:
     policy.py      History; non-finite steps, the divergence rule, forensic checkpoints
     checkpoint.py  atomic checkpoints (weights, optimizer, every process's RNG, step, history)
     resume.py      fresh / resume / finished, and the config check on resume
+    sharding.py    FSDP2 through accelerate: the settings it takes, sharded checkpoints (DCP)
 
 The batches come from ``stabilitylab.data.loader``; monitors, MFU and trackers from
 ``stabilitylab.telemetry``; run dirs and summaries from ``stabilitylab.runs``.

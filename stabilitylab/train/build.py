@@ -8,6 +8,7 @@ none is set (a plain ``python`` run): auto = bf16 autocast on CUDA, fp32 on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -19,6 +20,7 @@ import torch
 from stabilitylab.config import Config, ConfigError
 from stabilitylab.model import HEAD_ROW_MULTIPLE, TokenGate, Transformer
 from stabilitylab.telemetry import trackers_for
+from stabilitylab.train import sharding
 from stabilitylab.train.fast import FastForward
 
 SUPPORTED_PRECISION = ("no", "bf16")  # fp16 would need a loss scaler the step does not run
@@ -52,17 +54,23 @@ def apply_determinism(cfg: Config) -> None:
 
 
 def make_accelerator(cfg: Config, arm_dir: Path, purge_step: int | None):
-    """An Accelerator whose trackers write this arm's events into ``arm_dir``."""
+    """An Accelerator whose trackers write this arm's events into ``arm_dir``; under an FSDP
+    launch, with the trainer's FSDP plugin (``sharding``), on a CPU host too."""
     from accelerate import Accelerator
 
     cuda = torch.cuda.is_available()
-    return Accelerator(
+    fsdp = sharding.plugin() if sharding.requested() else None
+    accelerator = Accelerator(
         cpu=not cuda,
         mixed_precision=mixed_precision(cfg, cuda)[0],
         step_scheduler_with_optimizer=False,
         log_with=trackers_for(arm_dir, cfg.trackers, purge_step, cfg.telemetry.flush_secs),
         project_dir=str(arm_dir),
+        fsdp_plugin=fsdp,
     )
+    if fsdp is not None and not cuda:
+        sharding.enable_on_cpu(accelerator, fsdp)
+    return accelerator
 
 
 def accumulation_steps(cfg: Config, world: int) -> int:
@@ -151,7 +159,8 @@ class Trainee:
 
     accelerator: object
     model: torch.nn.Module
-    """As accelerate prepared it (DDP-wrapped on several processes)."""
+    """As accelerate prepared it (DDP-wrapped on several processes; under FSDP the model itself,
+    its parameters sharded)."""
     raw: torch.nn.Module
     """The plain model: monitors and probes attach here."""
     optimizer: torch.optim.Optimizer
@@ -176,6 +185,15 @@ class Trainee:
     def world(self) -> int:
         return self.accelerator.num_processes
 
+    def no_sync(self, last: bool):
+        """The context of a micro-batch's forward and backward. DDP: no all-reduce before the
+        step's last micro-batch (the gradients add up locally). FSDP: each micro-batch's
+        gradient is reduce-scattered into the shards at once (accelerate's ``no_sync`` would keep
+        a whole unsharded gradient on every process until the last one)."""
+        if last or sharding.is_sharded(self.model):
+            return contextlib.nullcontext()
+        return self.accelerator.no_sync(self.model)
+
 
 def prepare(cfg: Config, accelerator, model: torch.nn.Module, accum: int) -> Trainee:
     """The arm's Trainee. ``train.fast``: the one-pass q/k/v gradient on, the head's rows padded
@@ -189,6 +207,8 @@ def prepare(cfg: Config, accelerator, model: torch.nn.Module, accum: int) -> Tra
         model.set_one_pass_qkv_grad(True)
         model.set_head_row_multiple(HEAD_ROW_MULTIPLE)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if sharding.is_sharded(model):
+        sharding.autocast_forward(model, accelerator)
     raw = accelerator.unwrap_model(model)
     fast = None
     if cfg.train.fast:

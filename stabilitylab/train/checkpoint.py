@@ -7,6 +7,21 @@
                                              above with its size and sha256; written last
     <arm dir>/checkpoints/forensic_step<N>/  the same; manifest "extra" holds the divergence
 
+Under FSDP (``stabilitylab.train.sharding``) the weights and the optimizer are sharded, and a
+checkpoint holds them as torch.distributed.checkpoint (DCP) writes them (manifest ``"layout":
+"sharded"``; ``"full"``, or no key in a manifest written before the key existed, is the layout
+above)::
+
+        state.pt                             step, history (main process)
+        rng0.pt ... rng<W-1>.pt              as above
+        model/__0_0.distcp ... __<W-1>_0.distcp, model/.metadata          every rank's shard
+        optimizer/__0_0.distcp ... __<W-1>_0.distcp, optimizer/.metadata  of each, DCP's index
+        manifest.json                        as above, every file listed
+
+A run resumes only a checkpoint of its own layout (a sharded one under FSDP, a full one
+otherwise), with any number of processes (DCP reshards; the dropout draws resume only at the same
+number). ``read_state`` gives the full weights of either layout in one process.
+
 Writing: every process writes its files into ``<name>.tmp/``; after a barrier the main process
 hashes them, writes the manifest and commits with one rename of ``<name>.tmp`` to ``<name>``. A
 previous ``<name>`` is first renamed to ``<name>.prev`` (a folder cannot be renamed over a
@@ -29,10 +44,14 @@ from pathlib import Path
 
 import torch
 
+from stabilitylab.train import sharding
+
 FORMAT = 1
 LAST = "last"
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
+FULL, SHARDED = "full", "sharded"
+"""Manifest ``layout``: weights and optimizer in ``state.pt``, or sharded in DCP folders."""
 
 
 class CheckpointError(RuntimeError):
@@ -88,7 +107,7 @@ def save(
 ) -> Path:
     """Write checkpoint ``ckpt_dir/name`` atomically; every process calls this."""
     final, tmp = ckpt_dir / name, ckpt_dir / f"{name}.tmp"
-    main = accelerator.is_main_process
+    main, world = accelerator.is_main_process, accelerator.num_processes
     if main:
         recover(ckpt_dir, name)
         if tmp.exists():  # left by a kill during an earlier save
@@ -96,29 +115,37 @@ def save(
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     torch.save(rng_state(), tmp / rng_file(accelerator.process_index))
-    if main:
+    layout = SHARDED if sharding.is_sharded(model) else FULL
+    state = {"step": step, "history": history}
+    if layout == SHARDED:
+        sharding.save(tmp, model, optimizer)
+    elif main:
         state = {
             "model": accelerator.unwrap_model(model).state_dict(),
             "optimizer": optimizer.state_dict(),
-            "step": step,
-            "history": history,
+            **state,
         }
+    if main:
         torch.save(state, tmp / STATE_FILE)
     accelerator.wait_for_everyone()
     if main:
-        files = [STATE_FILE] + [rng_file(r) for r in range(accelerator.num_processes)]
-        _write_manifest(tmp, files, step, accelerator.num_processes, config, extra or {})
+        files = [STATE_FILE] + [rng_file(r) for r in range(world)]
+        files += sharding.files(world) if layout == SHARDED else []
+        _write_manifest(tmp, files, step, world, config, extra or {}, layout)
         _commit(tmp, final)
     accelerator.wait_for_everyone()
     return final
 
 
-def _write_manifest(tmp: Path, files: list[str], step: int, world: int, config, extra) -> None:
+def _write_manifest(
+    tmp: Path, files: list[str], step: int, world: int, config, extra, layout: str
+) -> None:
     missing = [f for f in files if not (tmp / f).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {tmp}: no {', '.join(missing)} was written")
     manifest = {
         "format": FORMAT,
+        "layout": layout,
         "step": step,
         "world_size": world,
         "files": {
@@ -210,10 +237,36 @@ def _load(path: Path):
         raise CheckpointError(f"checkpoint file {path} cannot be loaded: {e}") from e
 
 
+def layout_of(manifest: dict) -> str:
+    return manifest.get("layout", FULL)
+
+
+def check_layout(path: Path, manifest: dict, sharded: bool) -> None:
+    """A run under FSDP resumes a sharded checkpoint only, any other run a full one only."""
+    layout, want = layout_of(manifest), SHARDED if sharded else FULL
+    if layout != want:
+        how = (
+            "launch with the FSDP config that wrote it (experiments/launch/fsdp.yaml)"
+            if layout == SHARDED
+            else "launch without FSDP, as it was written"
+        )
+        raise CheckpointError(
+            f"checkpoint {path} holds {layout} weights and this run is "
+            f"{'under FSDP' if sharded else 'not under FSDP'}: {how}, or pass --fresh=True"
+        )
+
+
 def read_state(path: Path) -> dict:
-    """``state.pt`` of a verified checkpoint: model, optimizer, step, history."""
-    verify(path)
-    return _load(path / STATE_FILE)
+    """``state.pt`` of a verified checkpoint: model, optimizer, step, history; of a sharded one
+    step, history and the full model (``sharding.read_model``), no optimizer."""
+    manifest = verify(path)
+    state = _load(path / STATE_FILE)
+    if layout_of(manifest) == SHARDED:
+        try:
+            state["model"] = sharding.read_model(path)
+        except Exception as e:  # noqa: BLE001 - any DCP read failure means the same to the user
+            raise CheckpointError(f"checkpoint {path / 'model'} cannot be loaded: {e}") from e
+    return state
 
 
 def load(path: Path, accelerator, model, optimizer, verified: bool = False) -> tuple[int, dict]:
@@ -221,8 +274,11 @@ def load(path: Path, accelerator, model, optimizer, verified: bool = False) -> t
     ``verified``: the main process has checked the files against the manifest already."""
     manifest = _read_manifest(path) if verified else verify(path)
     state = _load(path / STATE_FILE)
-    accelerator.unwrap_model(model).load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    if layout_of(manifest) == SHARDED:
+        sharding.load(path, model, optimizer)
+    else:
+        accelerator.unwrap_model(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     if manifest["world_size"] == accelerator.num_processes:
         set_rng_state(_load(path / rng_file(accelerator.process_index)))
     elif accelerator.is_main_process:

@@ -5,7 +5,8 @@ bench_model.py``, docs/BENCHMARKS.md), each the same function as the eager step:
 
 - ``torch.compile`` of the prepared model (``fullgraph=True``; on several processes, where
   accelerate has wrapped it in DDP, with graph breaks at the gradient buckets, dynamo's
-  DDPOptimizer, so that each bucket's all-reduce overlaps the backward): the Triton kernels are opaque
+  DDPOptimizer, so that each bucket's all-reduce overlaps the backward; under FSDP2 with graph
+  breaks at each unit's hooks, ``_wrapper_note``): the Triton kernels are opaque
   custom ops in the graph; the softmax arm reads whether the batch is padded from
   ``stabilitylab.attention.unpadded_hint``, set here from the host's lengths (no sync). A graph
   break does not stop the run: the model is compiled again with ``fullgraph=False`` and the
@@ -64,6 +65,23 @@ graph as inductor would, without generating C++ or Triton code)."""
 
 RECOMPILE_LIMIT = 64
 DDP_NOTE = "DDP: the graph split at the gradient buckets (DDPOptimizer)"
+FSDP_NOTE = "FSDP2: the graph split at each unit's hooks (all-gather before it, reshard after)"
+
+
+def _wrapper_note(model: torch.nn.Module) -> str:
+    """Why a prepared model compiles with graph breaks from the start ("" for a plain one): DDP,
+    whose gradient buckets dynamo's DDPOptimizer splits the graph at so that each bucket's
+    all-reduce overlaps the backward; FSDP2, whose forward hooks (a unit's all-gather before it,
+    its reshard after) are ``torch._dynamo.disable``-d without compiled autograd, so they run
+    between graphs (fullgraph=True fails at the first one: "Attempted to call function marked as
+    skipped")."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, DistributedDataParallel):
+        return DDP_NOTE
+    if isinstance(model, FSDPModule):
+        return FSDP_NOTE
+    return ""
 
 
 def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
@@ -92,12 +110,12 @@ class FastForward:
         self.model, self.say = model, say
         torch._dynamo.reset()  # an earlier arm's graphs and guards (they hold its modules)
         raise_recompile_limit()
-        if isinstance(model, DistributedDataParallel):
-            # dynamo's DDPOptimizer splits the graph at the gradient buckets so that their
-            # all-reduce overlaps the backward; fullgraph=True would refuse the wrapper
-            self.mode, self.note = "graph breaks", DDP_NOTE
+        note = _wrapper_note(model)
+        if note:
+            # fullgraph=True would refuse the wrapper's hooks; the breaks are where they run
+            self.mode, self.note = "graph breaks", note
             self._fn = torch.compile(model, backend=COMPILE_BACKEND)
-            say(f"fast path: {DDP_NOTE}")
+            say(f"fast path: {note}")
         else:
             self.mode, self.note = "fullgraph", ""
             self._fn = torch.compile(model, fullgraph=True, backend=COMPILE_BACKEND)

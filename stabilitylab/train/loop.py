@@ -39,7 +39,7 @@ from stabilitylab.telemetry import (
     missing_trackers,
     start_trackers,
 )
-from stabilitylab.train import build, checkpoint, resume, warmstart
+from stabilitylab.train import build, checkpoint, resume, sharding, warmstart
 from stabilitylab.train.policy import History, Policy
 from stabilitylab.train.step import StepNumbers, read_numbers, train_step, validation_sums
 from stabilitylab.train.task import TaskData, cell_task, text_task
@@ -63,6 +63,16 @@ class Stopper:
     def _handle(self, signum, frame):
         self.requested = True
 
+    def agreed(self, accelerator) -> bool:
+        """Whether the run stops after this step: on several processes, whether any of them was
+        signalled (a one-number all-reduce). Each process is signalled on its own, at times a
+        step apart; one that stopped alone would wait in the checkpoint's collectives while the
+        others wait in the next step's."""
+        if accelerator.num_processes == 1:
+            return self.requested
+        flag = torch.tensor([float(self.requested)], device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum").item())
+
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
@@ -80,6 +90,7 @@ def check(cfg: Config, world: int, cuda: bool) -> None:
         raise ConfigError(f"config trackers: {', '.join(missing)} not installed (pip install it)")
     build.mixed_precision(cfg, cuda)
     build.accumulation_steps(cfg, world)
+    sharding.check(cfg)
     if cfg.task == "lm":
         # The cells own these two keys; an override would be replaced without a word.
         if cfg.model.gates:
@@ -188,7 +199,7 @@ def _start(cfg: Config, arm: str, data: TaskData, state) -> tuple[resume.Start, 
     plan = [None]
     if state.is_main_process:
         try:
-            plan[0] = resume.plan(cfg, d, config)
+            plan[0] = resume.plan(cfg, d, config, sharded=sharding.requested())
         except (resume.ResumeError, checkpoint.CheckpointError) as e:
             plan[0] = e
     plan = broadcast_object_list(plan)[0] if state.num_processes > 1 else plan[0]
@@ -224,9 +235,10 @@ def _build_arm(cfg, arm, data: TaskData, accelerator, plan, backend, config) -> 
         val=val, validates=bool(data.val),
     )  # fmt: skip
     a.policy = Policy(cfg, hist, a.save, a.say)
+    sharded = " sharded=FSDP2" if sharding.is_sharded(trainee.model) else ""
     a.say(
         f"backend={backend} params={n_params / 1e6:.1f}M init_hash={init_hash} "
-        f"processes={accelerator.num_processes} accumulation={accum} "
+        f"processes={accelerator.num_processes}{sharded} accumulation={accum} "
         f"micro_batch={cfg.train.micro_batch} mixed_precision={accelerator.mixed_precision}"
     )
     if plan.kind == "resume":
@@ -324,7 +336,7 @@ def _steps(a: Arm, batches, stopper: Stopper, progress: Progress) -> int:
         progress.update(step, numbers, dt)
         if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
             a.save(checkpoint.LAST, step, a.hist)
-        if stopper.requested:
+        if stopper.agreed(a.accelerator):
             break
     return step
 
@@ -365,8 +377,9 @@ def _train_arm(cfg: Config, arm: str, data: TaskData):
     progress = Progress(a)
     with Stopper() as stopper:
         step = _loop(a, loader, stopper, progress)
+        interrupted = stopper.agreed(accelerator)  # one answer for every process
     progress.close()
-    return _finish(a, step, stopper.requested), accelerator, stopper.requested
+    return _finish(a, step, interrupted), accelerator, interrupted
 
 
 def _finish(a: Arm, step: int, interrupted: bool) -> dict:
@@ -409,6 +422,7 @@ def _finish(a: Arm, step: int, interrupted: bool) -> dict:
             autotune=autotune_choices(),
             fast_path=None if fast is None else {"mode": fast.mode, "note": fast.note},
             sdpa_kernels=_sdpa_kernels(a) if a.backend == "softmax" else None,
+            sharded="FSDP2" if sharding.is_sharded(a.trainee.model) else None,
         )
     accelerator.wait_for_everyone()
     # Accelerate keeps every prepared model and optimizer; drop this arm's so that the next arm

@@ -119,8 +119,10 @@ def _read_json(path: Path) -> dict | None:
         ) from None
 
 
-def plan(cfg, arm_dir: Path, resolved: dict) -> Start:
-    """What this arm does given its dir and ``resolved`` (the config it would run with)."""
+def plan(cfg, arm_dir: Path, resolved: dict, sharded: bool = False) -> Start:
+    """What this arm does given its dir and ``resolved`` (the config it would run with);
+    ``sharded``: the run is under FSDP, so its checkpoint must be sharded
+    (``checkpoint.check_layout``)."""
     if cfg.fresh:
         return Start("fresh")
     last = checkpoint.find_last(arm_dir / "checkpoints")
@@ -134,6 +136,8 @@ def plan(cfg, arm_dir: Path, resolved: dict) -> Start:
             )
         return Start("fresh")
     manifest = checkpoint.verify(last) if last is not None else None
+    if manifest is not None:
+        checkpoint.check_layout(last, manifest, sharded)
     saved = manifest["config"] if manifest else _read_json(arm_dir / "config.json")
     changes = config_changes(saved or {}, resolved)
     if changes and cfg.resume != "force":

@@ -23,7 +23,6 @@ the same code for both steps. Validation runs the plain module eagerly.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -91,7 +90,7 @@ def _loss_and_backward(t: Trainee, data: StepBatch, n_masked: torch.Tensor, tel:
     loss_sum = torch.zeros((), device=n_masked.device)
     for i in range(len(data.micro)):
         last = i == len(data.micro) - 1
-        with contextlib.nullcontext() if last else t.accelerator.no_sync(t.model):
+        with t.no_sync(last):
             part = summed_ce(t, data, i)
             t.accelerator.backward(part * (t.world / n_masked))
         loss_sum += part.detach()
@@ -121,7 +120,7 @@ def _lm_loss_and_backward(
     sums: GateSums | None = None
     for i, b in enumerate(data.micro):
         last = i == len(data.micro) - 1
-        with contextlib.nullcontext() if last else t.accelerator.no_sync(t.model):
+        with t.no_sync(last):
             ce = summed_ce(t, data, i)
             loss = ce * (t.world / counts_2[0])
             budget = torch.zeros((), device=counts_2.device)
