@@ -27,7 +27,8 @@ study's causal decoder cells on text (``kv_eviction.py``, ``kv_study.py``)."""
 
 KV_ONLY = (
     "cells", "study",
-    "model.gates", "model.gate_injection", "model.gate_per_head", "model.gate_bias_init",
+    "model.gates", "model.gate_injection", "model.gate_per_head", "model.gate_in_kernel",
+    "model.gate_bias_init",
     "data.text", "data.text_files", "data.hf_dataset", "data.hf_split", "data.hf_text_column",
     "data.vocab", "train.budget_lambda", "telemetry.val_every", "telemetry.val_batches",
 )  # fmt: skip
