@@ -422,6 +422,7 @@ def study_report(cfg, device: str | None = None, *, grid=None, progress: bool = 
     ``TAU_GRID``). Returns ``{file name: path}``."""
     import torch
 
+    from stabilitylab import runs
     from stabilitylab.eviction.cells import load_cells
     from stabilitylab.eviction.protocol import TAU_GRID
     from stabilitylab.eviction.study import phase, run_study, study_inputs
@@ -448,7 +449,7 @@ def study_report(cfg, device: str | None = None, *, grid=None, progress: bool = 
         + (f"; held-out text: {inputs.heldout_name}" if inputs.heldout is not None else "")
         + f"; intervals: paired bootstrap over windows, {inputs.n_boot} resamples."
     )
-    return write_study(tables, Path(cfg.study.out_dir or run_dir / "study"), header)
+    return write_study(tables, runs.study_dir(cfg), header)
 
 
 def check_test_windows(table1: pd.DataFrame, cells, inputs) -> None:
@@ -477,6 +478,7 @@ def time_study(cfg, study_dir=None, device: str | None = None, *, progress: bool
     returns ``{file name: path}``."""
     import torch
 
+    from stabilitylab import runs
     from stabilitylab.eviction.cells import StudyError, load_cells
     from stabilitylab.eviction.speed import (
         DECODE_SPEED_COLUMNS,
@@ -488,7 +490,7 @@ def time_study(cfg, study_dir=None, device: str | None = None, *, progress: bool
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     run_dir = Path(cfg.out_dir) / cfg.name
-    study_dir = Path(study_dir or cfg.study.out_dir or run_dir / "study")
+    study_dir = Path(study_dir or runs.study_dir(cfg))
     tables = read_study(study_dir)
     missing = [n for n in ("table1", "table2", "table5") if n not in tables]
     if missing:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 from stabilitylab.config import ConfigError, parse
 from stabilitylab.data.source import DataError
@@ -153,14 +152,9 @@ def kv_study_main(argv: list[str] | None = None) -> int:
         from stabilitylab import runs
 
         # The cells and the study folder stay this process's from the training to study.md.
-        with runs.hold([*(runs.arm_dir(cfg, c) for c in cfg.arms()), study_dir(cfg)]):
+        with runs.hold([*(runs.arm_dir(cfg, c) for c in cfg.arms()), runs.study_dir(cfg)]):
             return _train_and_study(cfg)
     return 0
-
-
-def study_dir(cfg) -> Path:
-    """Where the KV study writes (``study.out_dir``, default ``<out_dir>/<name>/study``)."""
-    return Path(cfg.study.out_dir or Path(cfg.out_dir) / cfg.name / "study")
 
 
 def _train_and_study(cfg) -> int:

@@ -45,6 +45,11 @@ def arm_dir(cfg: Config, arm: str) -> Path:
     return Path(cfg.out_dir) / cfg.name / arm
 
 
+def study_dir(cfg: Config) -> Path:
+    """Where the KV study writes its tables: ``study.out_dir``, default ``<out_dir>/<name>/study``."""
+    return Path(cfg.study.out_dir or Path(cfg.out_dir) / cfg.name / "study")
+
+
 @contextlib.contextmanager
 def hold(dirs: Iterable[Path]) -> Iterator[None]:
     """Hold the locks of ``dirs`` (``runlock.hold``) for the block: on the main process, which

@@ -58,9 +58,10 @@ def run_pairs(argv: Sequence[str], cfg) -> tuple[int, Path | None]:
             "process (no --num_processes > 1), or drop study.parallel for a multi-process run"
         )
     from stabilitylab import runlock
+    from stabilitylab.runs import study_dir
 
     run_dir = Path(cfg.out_dir) / cfg.name
-    joined = Path(cfg.study.out_dir or run_dir / "study")
+    joined = study_dir(cfg)
     # The joined study is this process's before a log is opened; each child holds its cells.
     with runlock.hold([joined]):
         return _run_children(argv, cfg, run_dir, joined)

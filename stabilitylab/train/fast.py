@@ -75,11 +75,11 @@ def _wrapper_note(model: torch.nn.Module) -> str:
     its reshard after) are ``torch._dynamo.disable``-d without compiled autograd, so they run
     between graphs (fullgraph=True fails at the first one: "Attempted to call function marked as
     skipped")."""
-    from torch.distributed.fsdp import FSDPModule
+    from stabilitylab.train import sharding
 
     if isinstance(model, DistributedDataParallel):
         return DDP_NOTE
-    if isinstance(model, FSDPModule):
+    if sharding.is_sharded(model):
         return FSDP_NOTE
     return ""
 
