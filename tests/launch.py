@@ -6,9 +6,11 @@ mode expects MPI). The fast step compiles with the ``aot_eager`` backend (``AOT_
 dynamo and AOT autograd trace as for inductor, no C++ is generated."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,3 +51,14 @@ def launch(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
+
+
+def sigterm_after_first_checkpoint(proc: subprocess.Popen, arm_dir: Path) -> None:
+    """SIGTERM to ``proc`` once ``arm_dir`` holds its first checkpoint, as a scheduler sends it.
+    The wait ends with the checkpoint or with the process, not with a clock: a run that ends
+    before its first checkpoint fails here, a slow machine only waits longer."""
+    last = arm_dir / "checkpoints" / "last"
+    while not last.exists() and proc.poll() is None:
+        time.sleep(0.02)
+    assert last.exists(), f"the run ended (exit {proc.returncode}) before its first checkpoint"
+    proc.send_signal(signal.SIGTERM)

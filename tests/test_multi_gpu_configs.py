@@ -9,10 +9,8 @@ process), 0.1 where a resume must carry the random state."""
 
 import json
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,15 @@ from stabilitylab.cli import USAGE_ERROR, kv_main, train_main
 from stabilitylab.config import parse
 from stabilitylab.train import checkpoint, fast, resume, run
 from stabilitylab.train.checkpoint import CheckpointError, read_state
-from tests.launch import AOT_EAGER_TRAIN, ENV, ROOT, TRAIN, accelerate_launch, launch
+from tests.launch import (
+    AOT_EAGER_TRAIN,
+    ENV,
+    ROOT,
+    TRAIN,
+    accelerate_launch,
+    launch,
+    sigterm_after_first_checkpoint,
+)
 
 DDP_YAML, FSDP_YAML = "experiments/launch/multi_gpu.yaml", "experiments/launch/fsdp.yaml"
 SMOKE = ["--preset", "smoke", "--arm=sigmoid", "--report=False", "--train.micro_batch=4",
@@ -211,11 +217,7 @@ def test_an_fsdp_run_stopped_by_sigterm_resumes_bit_for_bit(tmp_path):
     cmd = _cmd(accelerate_launch(FSDP_YAML), TRAIN, stopped, RESUME)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     arm = stopped / "smoke" / "sigmoid"
-    deadline = time.time() + 240
-    while not (arm / "checkpoints" / "last").exists() and proc.poll() is None:
-        assert time.time() < deadline, "no checkpoint within 240 s"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
+    sigterm_after_first_checkpoint(proc, arm)
     _, err = proc.communicate(timeout=240)
     summary = json.loads((arm / "summary.json").read_text())
     assert summary["status"] == "interrupted", err.decode()[-3000:]

@@ -3,10 +3,8 @@
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -17,6 +15,7 @@ from stabilitylab.attention import SDPA_KERNELS
 from stabilitylab.cli import train_main
 from stabilitylab.train import build, run
 from stabilitylab.train.checkpoint import read_state
+from tests.launch import sigterm_after_first_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 EXIT_INTERRUPTED = 75  # stabilitylab.cli, the exit code experiments/stress_8k.py returns
@@ -224,11 +223,7 @@ def test_sigterm_then_resume_is_bitwise_identical(tmp_path):
         stderr=subprocess.PIPE,
     )
     b_dir = tmp_path / "b" / "smoke" / "sigmoid"
-    deadline = time.time() + 240
-    while not (b_dir / "checkpoints" / "last").exists() and proc.poll() is None:
-        assert time.time() < deadline, "no checkpoint within 240 s"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
+    sigterm_after_first_checkpoint(proc, b_dir)
     proc.communicate(timeout=240)
     assert proc.returncode == EXIT_INTERRUPTED
     first = read_summary(b_dir)
