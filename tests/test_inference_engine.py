@@ -65,12 +65,17 @@ def engine_run(model, tokens_BS, prefill, policy, keep_BL=None, lengths_B=None, 
 
 
 def evicting_tau(model, tokens_BS) -> float:
-    """A tau between two gates near the median of the model's gates on these tokens: about
-    half the gated entries go, and no gate lies within rounding of tau."""
+    """A tau midway between the two adjacent gates of the middle half of the model's gates on
+    these tokens that lie furthest apart in logit space (where a gate's rounding is about even):
+    a quarter to three quarters of the gated entries go, and no gate lies within rounding of tau.
+    (The decode loop and the engine compute the gates with other rounding than this full pass;
+    the midpoint of the two median gates, once 1.5e-7 apart in float32, flipped a decision.)"""
     _, gates = full_pass_nll_BW(model, tokens_BS, prefill=1)
     g = torch.cat([x.flatten() for x in gates]).sort().values.double()
-    i = len(g) // 2
-    return float((g[i] + g[i + 1]) / 2)
+    lo, hi = len(g) // 4, 3 * len(g) // 4
+    x = torch.logit(g[lo : hi + 1])  # +-inf for a saturated gate; inf - inf (equal gates): no gap
+    j = lo + int(torch.argmax(torch.nan_to_num(x[1:] - x[:-1], nan=0.0)))
+    return float((g[j] + g[j + 1]) / 2)
 
 
 POLICIES = ["dense", "tau0", "tau", "h2o", "keydiff"]
