@@ -52,11 +52,13 @@ def test_engine_evaluations_equal_the_research_loop(seed, one_thread):
         np.testing.assert_array_equal(a.keys_read_NL, b.keys_read_NL)
         assert a.compression == b.compression
     assert evicted.compression > 0 and dense.compression == 0
-    # The pages the rows hold cover their live entries, less than a page per row of slack.
+    # The pages the rows hold cover their live entries, with at most one page per (row, head)
+    # to spare: the page a row was given for its next write stays held when that write is not
+    # kept, so a row whose every entry went still holds one page (a whole layer can end so).
     live_bytes = evicted.live_NL.sum(0) * evicted.bytes_per_entry
     slack = 3 * model.cfg.n_heads * engine.caches[0].page_size * evicted.bytes_per_entry
     assert (evicted.allocated_kv_bytes_L >= live_bytes).all()
-    assert (evicted.allocated_kv_bytes_L < live_bytes + slack).all()
+    assert (evicted.allocated_kv_bytes_L <= live_bytes + slack).all()
 
 
 def test_the_speed_table_is_timed_through_the_engine_beside_the_research_loop(seed, one_thread):
