@@ -556,11 +556,14 @@ def test_an_inf_in_a_valid_position_gives_what_the_reference_gives(device):
     def pattern(x):
         return x.isnan().to(torch.int8) + 2 * x.isinf().to(torch.int8)
 
-    def agree(got, want, what):
+    def agree(got, want, what, want_t=None):
+        """Same NaN / inf pattern; on the finite values the file's criterion against the
+        reference at the kernel's dtype (``want_t``), or 1e-2 where none is given (max logits)."""
         assert torch.equal(pattern(got), pattern(want)), f"{what}: {got.flatten()[:8]}"
         finite = torch.isfinite(want)
-        err = (got.double()[finite] - want[finite]).abs().max().item()
-        assert err < 1e-2, f"{what}: max error {err}"
+        err = _err(got[finite], want[finite])
+        bound = 1e-2 if want_t is None else 2 * _err(want_t[finite], want[finite]) + ATOL[got.dtype]
+        assert err <= bound, f"{what}: max error {err} > {bound}"
 
     gen = _generator(device)
     for case in ("odd", "full"):
@@ -578,13 +581,15 @@ def test_an_inf_in_a_valid_position_gives_what_the_reference_gives(device):
                     q, k, v, lengths_B, return_max_logit=True, causal=causal
                 )
                 ref = sigmoid_attention_reference(q64, k64, v64, lengths_B, causal=causal)
-                agree(out, ref, f"sigmoid out, {where}")
+                ref_t = sigmoid_attention_reference(q, k, v, lengths_B, causal=causal)
+                agree(out, ref, f"sigmoid out, {where}", ref_t)
                 agree(mx, want_max, f"sigmoid max, {where}")
                 out, mx = softmax_attention(
                     q, k, v, lengths_B, return_max_logit=True, causal=causal
                 )
                 ref = softmax_attention_reference(q64, k64, v64, lengths_B, causal=causal)
-                agree(out, ref, f"softmax out, {where}")
+                ref_t = softmax_attention_reference(q, k, v, lengths_B, causal=causal)
+                agree(out, ref, f"softmax out, {where}", ref_t)
                 agree(mx, want_max, f"softmax max, {where}")
                 agree(max_abs_logit(q, k, lengths_B, causal=causal), want_max, f"max, {where}")
 
