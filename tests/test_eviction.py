@@ -309,6 +309,22 @@ def test_keydiff_keeps_the_keys_least_like_the_mean():
     assert 5 in cache.pos_BHN[0, 0].tolist() and cache.k_BHND.shape[2] == 2
 
 
+def test_keydiff_ignores_whatever_the_slots_that_are_not_live_hold():
+    """The decode engine's view reads keys of slots that are not live from an uninitialised
+    pool: NaN or inf there must not reach the anchor (it made every score NaN, evicting none)."""
+    k = torch.randn(2, 2, 7, 4, dtype=F64)
+    live = torch.ones(2, 2, 7, dtype=torch.bool)
+    live[..., 5:] = False
+    clean = keydiff_score_BHN(k.masked_fill(~live[..., None], 0.0), live)
+    k[..., 5, :], k[..., 6, :] = float("nan"), float("inf")
+    dirty = keydiff_score_BHN(k, live)
+    torch.testing.assert_close(dirty[live], clean[live], rtol=0, atol=0)
+    cache = hand_cache(k[:1, :1], torch.arange(7))
+    cache.live_BHN[..., 5:] = False
+    drop = KeyDiff().drop_BHN(cache, torch.tensor([3]))
+    assert int(drop.sum()) == 2 and not drop[..., 5:].any()
+
+
 def test_compact_zeroes_padding_and_shrinks():
     k = torch.arange(2 * 1 * 4 * 2, dtype=F64).view(2, 1, 4, 2) + 1
     cache = hand_cache(k, torch.arange(4))

@@ -76,11 +76,13 @@ def newest_k_BHN(pos_BHN: torch.Tensor, live_BHN: torch.Tensor, k_BH: torch.Tens
 
 
 def keydiff_score_BHN(k_BHND: torch.Tensor, live_BHN: torch.Tensor) -> torch.Tensor:
-    """``-cos(k_j, anchor)`` with ``anchor = mean_j over live of k_j / |k_j|`` per (b, h)."""
+    """``-cos(k_j, anchor)`` with ``anchor = mean_j over live of k_j / |k_j|`` per (b, h). A slot
+    that is not live never reaches the anchor, whatever it holds (the engine's pool is
+    uninitialised memory there: NaN * 0 would make every score NaN and evict nothing)."""
     unit_BHND = F.normalize(k_BHND.to(torch.promote_types(k_BHND.dtype, torch.float32)), dim=-1)
-    w_BHN1 = live_BHN[..., None].to(unit_BHND.dtype)
-    n_BH11 = w_BHN1.sum(2, keepdim=True).clamp(min=1)
-    anchor_BH1D = (unit_BHND * w_BHN1).sum(2, keepdim=True) / n_BH11
+    unit_BHND = torch.where(live_BHN[..., None], unit_BHND, 0.0)
+    n_BH11 = live_BHN.sum(2, keepdim=True)[..., None].clamp(min=1).to(unit_BHND.dtype)
+    anchor_BH1D = unit_BHND.sum(2, keepdim=True) / n_BH11
     return -F.cosine_similarity(unit_BHND, anchor_BH1D, dim=-1)
 
 
