@@ -173,9 +173,8 @@ def decode_block(block, x_B1C, gate_B1, cache, step: StepInputs, kind, bias_B, i
     q_BHTD, k_BHTD, v_BHTD = project_qkv_BHTD(attn, block.ln1(x_B1C), _At(step.rope))
     v_BHTD, g_BHT, kb_BHT = inject_gate(attn, v_BHTD, gate_B1)
     kb_BH = None if kb_BHT is None else kb_BHT[..., 0]
-    cache.ensure_page(step.active_BH)
-    cache.write_new(k_BHTD[:, :, 0], v_BHTD[:, :, 0], kb_BH, step.pos_B, step.active_BH)
-    cache.commit(step.active_BH)
+    cache.append(k_BHTD[:, :, 0], v_BHTD[:, :, 0], kb_BH, step.pos_B, step.active_BH,
+                 fused=impl == "triton")  # fmt: skip
     attended_B = (cache.count_BH * step.active_BH).sum(-1)
     out_BHD = paged_attention(cache, q_BHTD[:, :, 0], kind, bias_B, impl)
     if tau is not None and g_BHT is not None:

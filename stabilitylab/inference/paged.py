@@ -17,7 +17,9 @@ by one kept entry from past it (``drop``), so a step copies at most as many entr
 and pages emptied at the end of a row go back on the free list. Slot order is therefore not
 write order; ``view`` sorts by position for the research policies, whose ties go to the earlier
 entry. ``ensure_page``, ``write_new`` and ``commit`` run on the device with static shapes (a
-CUDA graph can hold them); ``write_prefill``, ``drop`` and ``view`` read counts on the host.
+CUDA graph can hold them; on the Triton path ``append`` runs the three as one kernel,
+``kernels/paged_append.py``, of which they are the reference); ``write_prefill``, ``drop`` and
+``view`` read counts on the host.
 A full pool or a row past its table sets ``overflow`` (checked by the engine at sync points).
 """
 
@@ -177,6 +179,19 @@ class PagedKV:
             self.kb_PS.view(-1).index_copy_(0, flat_R, kb_BH.reshape(-1).to(torch.float32))
         if self.score_PS is not None:
             self.score_PS.view(-1).index_fill_(0, flat_R, 0)
+
+    def append(self, k_BHD, v_BHD, kb_BH, pos_B, active_BH, fused: bool) -> None:
+        """``ensure_page``, ``write_new``, ``commit(active_BH)``: one decode step's entries
+        written and counted live. ``fused``: in one launch of ``kernels/paged_append.py`` (the
+        same buffers after, bit for bit); else these three methods (the reference)."""
+        if fused:
+            from stabilitylab.kernels.paged_append import paged_append
+
+            paged_append(self, k_BHD, v_BHD, kb_BH, pos_B, active_BH)
+            return
+        self.ensure_page(active_BH)
+        self.write_new(k_BHD, v_BHD, kb_BH, pos_B, active_BH)
+        self.commit(active_BH)
 
     def commit(self, add_BH: torch.Tensor) -> None:
         """``count += add`` (bool or int per row): the written entries become live, or not."""
