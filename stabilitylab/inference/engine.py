@@ -18,7 +18,9 @@ Eviction: ``NoEviction``, ``GateThreshold(tau)``, ``H2O``, ``KeyDiff`` (``evicti
 with the research loop's decisions. After the prefill every policy decides through its own
 ``drop_BHN`` on a research ``LayerCache`` of the prefill's entries. In a decode step, gate-tau
 needs nothing but the new entry's gate (a kept entry's gate never changes): the entry is written,
-attended, and not counted live when ``g < tau`` (no copy: its slot is the next write's). H2O and
+attended, and not counted live when ``g < tau`` (no copy: its slot is the next write's); every
+layer's such drop is made at once at the end of the step, where the counts of all layers (views
+of one tensor) also give the keys each query read. H2O and
 KeyDiff run ``drop_BHN`` on a position-ordered ``view`` of each row after the step (H2O's scores
 come from the kernel's side output) and ``PagedKV.drop`` removes what they chose; those passes
 read counts on the host and stay outside the CUDA graph.
@@ -124,6 +126,11 @@ class DecodeEngine:
             )
             for layer in range(cfg.n_layers)
         ]  # fmt: skip
+        # Every layer's live counts are views of one tensor, so that the step's end reads and
+        # changes all layers at once (keys read, gate-tau's drops): a few ops, not a few a layer.
+        self.count_LBH = torch.zeros(cfg.n_layers, batch, cfg.n_heads, dtype=torch.int32, device=p.device)  # fmt: skip
+        for layer, cache in enumerate(self.caches):
+            cache.count_BH = self.count_LBH[layer]
         self.rope = None
         if cfg.position == "rope":
             self.rope = rope_cos_sin(self.max_position, cfg.head_dim, cfg.rope_base, p.device)
@@ -207,15 +214,33 @@ class DecodeEngine:
         x_B1C = model.tok_emb(tokens_B[:, None])
         if model.pos_emb is not None:
             x_B1C = x_B1C + model.pos_emb(pos_B)[:, None]
-        gate_B1 = None
+        gate_B1, g_LBH = None, []
         for layer, (block, cache) in enumerate(zip(model.blocks, self.caches, strict=True)):
-            x_B1C, attended_B = decode_block(
-                block, x_B1C, gate_B1, cache, step, self.kinds[layer], self.bias_B, self.impl,
-                self.tau,
+            x_B1C, g_BH = decode_block(
+                block, x_B1C, gate_B1, cache, step, self.kinds[layer], self.bias_B, self.impl
             )  # fmt: skip
-            self.keys_read_BL[:, layer] += attended_B
+            g_LBH.append(g_BH)
             gate_B1 = block.gate_out(x_B1C) if block.gate_out is not None else None
+        # Each layer's query read its live entries, the new one counted (the counts as they are
+        # now); then gate-tau drops the new entries whose g < tau (a NaN gate is kept, as in
+        # the research rule).
+        self.keys_read_BL += (self.count_LBH * active_B[None, :, None]).sum(-1).T
+        if self.tau is not None:
+            self._drop_below_tau(g_LBH, active_B)
         return model.head(model.ln_f(x_B1C[:, 0]))
+
+    def _drop_below_tau(self, g_LBH: list, active_B: torch.Tensor) -> None:
+        """``count -= active & (g < tau)`` for every gated layer, in one update when the gated
+        layers are consecutive (the lab's decoders: all but the first)."""
+        gated = [layer for layer, g in enumerate(g_LBH) if g is not None]
+        if not gated:
+            return
+        drop_GBH = (torch.stack([g_LBH[i] for i in gated]) < self.tau) & active_B[None, :, None]
+        if gated == list(range(gated[0], gated[-1] + 1)):
+            self.count_LBH[gated[0] : gated[-1] + 1] -= drop_GBH.to(torch.int32)
+        else:
+            for i, layer in enumerate(gated):
+                self.count_LBH[layer] -= drop_GBH[i].to(torch.int32)
 
     def _budget_pass(self, active_B) -> None:
         """H2O / KeyDiff: each layer's excess entries go (the research ``drop_BHN`` on a

@@ -164,10 +164,12 @@ class _At:
         self.rope_TD = rope
 
 
-def decode_block(block, x_B1C, gate_B1, cache, step: StepInputs, kind, bias_B, impl, tau):
-    """One block over one new token per sequence: write its entry, attend over the live ones
-    and it, drop it again if its gate is below ``tau`` (gate-tau), FFN. Returns
-    ``(x_B1C, attended_B)``, the entries the query read per sequence (all heads)."""
+def decode_block(block, x_B1C, gate_B1, cache, step: StepInputs, kind, bias_B, impl):
+    """One block over one new token per sequence: write its entry (counted live), attend over
+    the live ones and it, FFN. Returns ``(x_B1C, g_BH)``: the new entry's gate per row (None
+    for an ungated layer). Gate-tau's drop of the entry (``g < tau``) is the caller's, once
+    for every layer at the end of the step (``DecodeEngine._static_step``): nothing in the
+    step reads this layer's count after its attention."""
     attn = block.attn
     B, _, C = x_B1C.shape
     q_BHTD, k_BHTD, v_BHTD = project_qkv_BHTD(attn, block.ln1(x_B1C), _At(step.rope))
@@ -175,10 +177,7 @@ def decode_block(block, x_B1C, gate_B1, cache, step: StepInputs, kind, bias_B, i
     kb_BH = None if kb_BHT is None else kb_BHT[..., 0]
     cache.append(k_BHTD[:, :, 0], v_BHTD[:, :, 0], kb_BH, step.pos_B, step.active_BH,
                  fused=impl == "triton")  # fmt: skip
-    attended_B = (cache.count_BH * step.active_BH).sum(-1)
     out_BHD = paged_attention(cache, q_BHTD[:, :, 0], kind, bias_B, impl)
-    if tau is not None and g_BHT is not None:
-        # The research rule drops a live entry when g < tau (a NaN gate is kept there too).
-        cache.commit(-(step.active_BH & (g_BHT[..., 0] < tau)).to(torch.int32))
     x_B1C = x_B1C + attn.proj(out_BHD.reshape(B, 1, C))
-    return x_B1C + block.ff(block.ln2(x_B1C)), attended_B
+    g_BH = None if g_BHT is None else g_BHT[..., 0]
+    return x_B1C + block.ff(block.ln2(x_B1C)), g_BH
