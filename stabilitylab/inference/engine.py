@@ -131,6 +131,9 @@ class DecodeEngine:
         self.count_LBH = torch.zeros(cfg.n_layers, batch, cfg.n_heads, dtype=torch.int32, device=p.device)  # fmt: skip
         for layer, cache in enumerate(self.caches):
             cache.count_BH = self.count_LBH[layer]
+        gated = [layer for layer in range(cfg.n_layers) if self._gated(layer)]
+        self.gated_G = torch.tensor(gated, dtype=torch.long, device=p.device)
+        """The layers whose entries carry a gate (a device index: no host copy in a capture)."""
         self.rope = None
         if cfg.position == "rope":
             self.rope = rope_cos_sin(self.max_position, cfg.head_dim, cfg.rope_base, p.device)
@@ -230,17 +233,12 @@ class DecodeEngine:
         return model.head(model.ln_f(x_B1C[:, 0]))
 
     def _drop_below_tau(self, g_LBH: list, active_B: torch.Tensor) -> None:
-        """``count -= active & (g < tau)`` for every gated layer, in one update when the gated
-        layers are consecutive (the lab's decoders: all but the first)."""
-        gated = [layer for layer, g in enumerate(g_LBH) if g is not None]
-        if not gated:
+        """``count -= active & (g < tau)`` for every gated layer (``gated_G``), in one update."""
+        g_GBH = [g for g in g_LBH if g is not None]
+        if not g_GBH:
             return
-        drop_GBH = (torch.stack([g_LBH[i] for i in gated]) < self.tau) & active_B[None, :, None]
-        if gated == list(range(gated[0], gated[-1] + 1)):
-            self.count_LBH[gated[0] : gated[-1] + 1] -= drop_GBH.to(torch.int32)
-        else:
-            for i, layer in enumerate(gated):
-                self.count_LBH[layer] -= drop_GBH[i].to(torch.int32)
+        drop_GBH = (torch.stack(g_GBH) < self.tau) & active_B[None, :, None]
+        self.count_LBH[self.gated_G] -= drop_GBH.to(torch.int32)
 
     def _budget_pass(self, active_B) -> None:
         """H2O / KeyDiff: each layer's excess entries go (the research ``drop_BHN`` on a
