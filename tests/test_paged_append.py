@@ -7,7 +7,11 @@ Interpreter on CPU; compiled on CUDA (marked gpu)."""
 
 from __future__ import annotations
 
+import os
+import pathlib
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,3 +134,50 @@ def test_the_fused_write_refuses_what_it_cannot_take():
         cache.append(k.double(), k, torch.zeros(1, 2), pos, active, fused=True)
     with pytest.raises(ValueError, match="active_BH must be"):
         cache.append(k, k, torch.zeros(1, 2), pos, active.int(), fused=True)
+
+
+COMPILE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import ptx_offline as p
+import torch
+from triton.compiler.compiler import make_backend
+import stabilitylab.kernels.paged_append as pa
+from stabilitylab.inference.paged import PagedKV
+
+launches = []
+
+
+class Recorder:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
+
+
+pa.compiled = Recorder
+B, H, D = 4, 6, 64
+for gated, scores in ((True, False), (False, True)):
+    cache = PagedKV.allocate(B, H, D, max_entries=64, page_size=16, dtype=torch.bfloat16,
+                             device="cpu", key_bias=gated, scores=scores)
+    k = torch.zeros(B, H, D, dtype=torch.bfloat16)
+    active = torch.ones(B, 1, dtype=torch.bool).expand(B, H)
+    pa.paged_append(cache, k, k, torch.zeros(B, H) if gated else None,
+                    torch.zeros(B, dtype=torch.long), active)
+backend = make_backend(p.TARGET)
+for kernel, args, kwargs in launches:
+    text = p.ptx(kernel, args, {**kwargs, "num_warps": 4, "num_stages": 1, "debug": False}, backend)
+    print(kwargs["HAS_KB"], kwargs["HAS_SCORE"], ".entry _append_kernel(" in text)
+"""
+
+
+def test_the_fused_write_compiles_for_sm90_without_a_gpu():
+    """The kernel as the engine launches it (bf16, key bias or scores) through Triton's compiler
+    to sm_90a PTX (experiments/bench/ptx_offline.py), in a process without the interpreter."""
+    bench = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "bench"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE, str(bench)], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "False", "True", "False", "True", "True"]
