@@ -94,7 +94,7 @@ def _append_kernel(
 
 def check_append(cache, k_BHD, v_BHD, kb_BH, pos_B, active_BH) -> None:
     """Refuse inputs the kernel cannot take, naming which (the reference takes them all)."""
-    B, H, M = cache.table_BHM.shape
+    B, H, _ = cache.table_BHM.shape
     D = cache.k_PSD.shape[2]
     for name, t in (("k_BHD", k_BHD), ("v_BHD", v_BHD)):
         if tuple(t.shape) != (B, H, D) or t.dtype != cache.k_PSD.dtype or t.stride(2) != 1:
@@ -105,6 +105,8 @@ def check_append(cache, k_BHD, v_BHD, kb_BH, pos_B, active_BH) -> None:
         raise ValueError("kb_BH must be given exactly when the cache keeps key biases")
     if tuple(active_BH.shape) != (B, H) or active_BH.dtype != torch.bool:
         raise ValueError(f"active_BH must be a ({B}, {H}) bool tensor")
+    if tuple(pos_B.shape) != (B,) or pos_B.dtype.is_floating_point or pos_B.stride(0) != 1:
+        raise ValueError(f"pos_B must be a contiguous ({B},) integer tensor")
     for name in ("k_PSD", "v_PSD", "pos_PS", "table_BHM", "count_BH", "held_BH"):
         if not getattr(cache, name).is_contiguous():
             raise ValueError(f"the cache's {name} must be contiguous")
@@ -124,7 +126,7 @@ def paged_append(cache, k_BHD, v_BHD, kb_BH, pos_B, active_BH) -> None:
         cache.score_PS if cache.score_PS is not None else dummy,
         cache.table_BHM, cache.count_BH, cache.held_BH, cache.free_F, cache.n_free, cache.overflow,
         k_BHD.stride(0), k_BHD.stride(1), v_BHD.stride(0), v_BHD.stride(1),
-        kb.stride(0), kb.stride(1) if kb.dim() > 1 else 0,
+        kb.stride(0), kb.stride(1),
         active_BH.stride(0), active_BH.stride(1),
         B * H, H, M, cache.n_pages, cache.trash_slot,
         P=cache.page_size, D=cache.k_PSD.shape[2], HAS_KB=kb_BH is not None,

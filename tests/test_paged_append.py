@@ -36,7 +36,7 @@ def random_cache(gen, B, H, D, P, M, n_pages, dtype, device, gated, scores) -> P
                              n_pages=n_pages, key_bias=gated, scores=scores)  # fmt: skip
     T = M * P
     choices = torch.tensor([0, P, 2 * P, P - 1, 1, T, T - 1])
-    count_BH = choices[torch.randint(0, len(choices), (B, H), generator=gen)].clamp(max=T)
+    count_BH = choices[torch.randint(0, len(choices), (B, H), generator=gen)]
     while int(((count_BH + P - 1) // P).sum()) > n_pages:  # the prefill itself must fit
         count_BH = count_BH // 2
     keep_BHT = torch.arange(T) < count_BH[..., None]
@@ -134,6 +134,8 @@ def test_the_fused_write_refuses_what_it_cannot_take():
         cache.append(k.double(), k, torch.zeros(1, 2), pos, active, fused=True)
     with pytest.raises(ValueError, match="active_BH must be"):
         cache.append(k, k, torch.zeros(1, 2), pos, active.int(), fused=True)
+    with pytest.raises(ValueError, match="pos_B must be"):
+        cache.append(k, k, torch.zeros(1, 2), pos.float(), active, fused=True)
 
 
 COMPILE = """

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from stabilitylab.eviction.cache import LayerCache
+from stabilitylab.kernels.paged_append import paged_append
 
 STATE = ("table_BHM", "count_BH", "held_BH", "free_F", "n_free", "overflow", "score_PS")
 """What a step changes besides the K/V written past the live range (``snapshot``)."""
@@ -185,8 +186,6 @@ class PagedKV:
         written and counted live. ``fused``: in one launch of ``kernels/paged_append.py`` (the
         same buffers after, bit for bit); else these three methods (the reference)."""
         if fused:
-            from stabilitylab.kernels.paged_append import paged_append
-
             paged_append(self, k_BHD, v_BHD, kb_BH, pos_B, active_BH)
             return
         self.ensure_page(active_BH)
